@@ -1,0 +1,83 @@
+"""Eager: no graph, a reference to the checkpoint; load rebuilds the model and applies `torch.compile`.
+
+The artifact is a small JSON file naming the checkpoint directory, dtype and pool sizes, plus which
+step it is (`target`, or `mtp` with its layer). Loading builds the model once for all files given.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from triton_mtp.export.formats import DTYPES, kv_cache_of, set_buffer
+
+EXTENSION = "json"
+
+
+def save(
+    step: nn.Module,
+    example_inputs: tuple[torch.Tensor, ...],
+    dynamic_shapes: tuple,
+    path: Path,
+    *,
+    checkpoint_dir: Path,
+    dtype: str,
+) -> None:
+    """Write the reference; `step` is the target or an `MTPLayerStep` (its `layer` is recorded)."""
+    _, pool = kv_cache_of(step)
+    _, max_slots, seq_plus_one, _ = pool.shape
+    reference = {
+        "checkpoint": str(Path(checkpoint_dir).resolve()),
+        "dtype": dtype,
+        "max_slots": max_slots,
+        "max_seq_len": seq_plus_one - 1,
+        "step": "mtp" if hasattr(step, "layer") else "target",
+        "layer": getattr(step, "layer", None),
+    }
+    path.write_text(json.dumps(reference, indent=2) + "\n")
+
+
+class EagerGraph:
+    """A step module of the rebuilt model, compiled with `torch.compile(dynamic=True)` unless disabled."""
+
+    explicit_cache = False
+
+    def __init__(self, module: nn.Module, step: nn.Module, compile: bool) -> None:
+        self.module = module
+        self.cache_fqn, pool = kv_cache_of(module)
+        self.cache_shape, self.cache_dtype = tuple(pool.shape), pool.dtype
+        self.step = torch.compile(step, dynamic=True) if compile else step
+
+    def bind_cache(self, pool: torch.Tensor) -> None:
+        set_buffer(self.module, self.cache_fqn, pool)
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            return self.step(*inputs)
+
+
+def load(paths: list[Path], device: torch.device, compile: bool = True) -> list[EagerGraph]:
+    """Build the model from the checkpoint the files name (they must name the same one)."""
+    from triton_mtp.export.checkpoint import load_checkpoint
+
+    references = [json.loads(Path(p).read_text()) for p in paths]
+    keys = ("checkpoint", "dtype", "max_slots", "max_seq_len")
+    first = {k: references[0][k] for k in keys}
+    for path, ref in zip(paths, references):
+        if {k: ref.get(k) for k in keys} != first:
+            raise ValueError(f"{path}: names a different checkpoint or sizes than {paths[0]}")
+    _, target, mtp = load_checkpoint(
+        first["checkpoint"], DTYPES[first["dtype"]], device, first["max_slots"], first["max_seq_len"]
+    )
+    graphs = []
+    for path, ref in zip(paths, references):
+        if ref["step"] == "target":
+            graphs.append(EagerGraph(target, target, compile))
+        elif mtp is None:
+            raise ValueError(f"{path}: checkpoint {first['checkpoint']} has no MTP layers")
+        else:
+            graphs.append(EagerGraph(mtp, mtp.layer_step(ref["layer"]), compile))
+    return graphs

@@ -1,0 +1,102 @@
+"""RMSNorm and Multi-head Latent Attention (MLA) over a slot/position KV pool.
+
+The cache holds, per layer and token, only the compressed latent `kv_a_layernorm(c_kv)` followed by the
+roped shared key `k_pe`. For DeepSeek-V3 that is (512 + 64) × 61 layers × 2 bytes in bf16 = 70,272 bytes
+per token. Attention runs in the absorbed form: `kv_b_proj` is folded into the query (for keys) and into
+the output (for values), so the latent is never expanded to per-head keys and values.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from triton_mtp.export.config import ModelConfig
+from triton_mtp.export.rope import apply_rotary, softmax_scale
+
+
+class RMSNorm(nn.Module):
+    """RMS normalisation computed in float32, as in DeepSeek-V3."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()  # [..., dim]
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)  # [..., dim]
+        return self.weight * x32.to(x.dtype)
+
+
+class MLAttention(nn.Module):
+    """DeepSeek-V3 attention; parameter names follow the checkpoint (`self_attn.*`)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.v_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
+        self.scale = softmax_scale(config)
+        self.interleave = config.rope_interleave
+        q_out = self.num_heads * config.qk_head_dim
+        self.q_lora = config.q_lora_rank is not None
+        if self.q_lora:
+            self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, q_out, bias=False)
+        else:
+            self.q_proj = nn.Linear(config.hidden_size, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(config.hidden_size, config.cache_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(config.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        slot_ids: torch.Tensor,
+        cache: torch.Tensor,
+        layer: int,
+    ) -> torch.Tensor:
+        """x[B, T, H] -> [B, T, H]; writes this call's latents into `cache[layer]` first, then attends."""
+        B, T, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)  # [B, T, h*dqk]
+        q = q.view(B, T, self.num_heads, self.nope_dim + self.rope_dim)  # [B, T, h, dqk]
+        q_nope, q_pe = torch.split(q, [self.nope_dim, self.rope_dim], dim=-1)  # [B, T, h, dn], [B, T, h, dr]
+        q_pe = apply_rotary(q_pe, cos, sin, self.interleave)  # [B, T, h, dr]
+
+        kv = self.kv_a_proj_with_mqa(x)  # [B, T, r + dr]
+        c_kv, k_pe = torch.split(kv, [self.kv_lora_rank, self.rope_dim], dim=-1)  # [B, T, r], [B, T, dr]
+        latent = torch.cat([self.kv_a_layernorm(c_kv), apply_rotary(k_pe, cos, sin, self.interleave)], dim=-1)
+        self._write(cache, layer, latent, positions, slot_ids)
+
+        kv_all = cache[layer].index_select(0, slot_ids).to(x.dtype)  # [B, S+1, r + dr]
+        c_all, pe_all = torch.split(kv_all, [self.kv_lora_rank, self.rope_dim], dim=-1)  # [B, S+1, r], [B, S+1, dr]
+        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = torch.split(w_kv, [self.nope_dim, self.v_dim], dim=1)  # [h, dn, r], [h, dv, r]
+
+        q_latent = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)  # [B, T, h, r]
+        scores = torch.einsum("bthr,bsr->bhts", q_latent, c_all)  # [B, h, T, S+1]
+        scores = (scores + torch.einsum("bthd,bsd->bhts", q_pe, pe_all)) * self.scale  # [B, h, T, S+1]
+        cache_pos = torch.arange(cache.shape[2], device=x.device)  # [S+1]
+        visible = cache_pos[None, None, :] <= positions.clamp(min=0)[:, :, None]  # [B, T, S+1]
+        scores = scores.masked_fill(~visible[:, None], torch.finfo(scores.dtype).min)  # [B, h, T, S+1]
+        probs = torch.softmax(scores.float(), dim=-1).to(x.dtype)  # [B, h, T, S+1]
+
+        out_latent = torch.einsum("bhts,bsr->bthr", probs, c_all)  # [B, T, h, r]
+        out = torch.einsum("bthr,hvr->bthv", out_latent, w_uv)  # [B, T, h, dv]
+        return self.o_proj(out.reshape(B, T, self.num_heads * self.v_dim))  # [B, T, H]
+
+    @staticmethod
+    def _write(
+        cache: torch.Tensor, layer: int, latent: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor
+    ) -> None:
+        """Write latent[B, T, D] at (layer, slot, position); padding (position -1) writes the scratch position."""
+        _, num_slots, seq_plus_one, dim = cache.shape
+        write_pos = torch.where(positions >= 0, positions, torch.full_like(positions, seq_plus_one - 1))  # [B, T]
+        flat = (layer * num_slots + slot_ids[:, None]) * seq_plus_one + write_pos  # [B, T]
+        cache.view(-1, dim).index_copy_(0, flat.reshape(-1), latent.reshape(-1, dim).to(cache.dtype))

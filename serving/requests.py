@@ -1,0 +1,197 @@
+"""What a `spec_decode` request asks for and what it gets back, validated field by field.
+
+The tensor names follow DESIGN.md's public interface (and the Triton TensorRT-LLM BLS conventions
+where they overlap). Parsing works on plain numpy arrays so it is testable without a server; every
+bad field raises `RequestError` whose message starts with the field's name.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol
+
+import numpy as np
+
+
+class RequestError(ValueError):
+    """A request field is missing, malformed or out of range (-> INVALID_ARG)."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(f"{name}: {message}")
+        self.field = name
+
+
+class QueueFull(RuntimeError):
+    """All slots are busy and the waiting queue is at its bound (-> UNAVAILABLE)."""
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """Sizes fixed by the export; requests are checked against them."""
+
+    max_slots: int
+    max_seq_len: int
+    vocab_size: int
+    max_draft_tokens: int
+    default_num_draft_tokens: int
+    eos_token_id: int  # -1: the model has none
+    max_queue_size: int
+
+
+@dataclass
+class GenerationRequest:
+    input_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k filter
+    seed: int = 0
+    num_draft_tokens: int = 0  # 0: plain decoding
+    stop_words: list[str] = field(default_factory=list)
+    return_logprobs: bool = False
+    stream: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class GenerationResponse:
+    """One response: the new tokens (of a step when streaming) and the running totals."""
+
+    text_output: str
+    output_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str  # "" while streaming, then "length" | "stop" | "cancelled"
+    num_input_tokens: int
+    num_output_tokens: int
+    total_draft_tokens: int
+    total_accepted_draft_tokens: int
+    accepted_per_position: list[int]
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        arrays = {
+            "text_output": np.array([self.text_output.encode("utf-8")], dtype=np.object_),
+            "output_ids": np.array(self.output_ids, dtype=np.int32),
+            "finish_reason": np.array([self.finish_reason.encode("utf-8")], dtype=np.object_),
+            "num_input_tokens": np.array([self.num_input_tokens], dtype=np.int32),
+            "num_output_tokens": np.array([self.num_output_tokens], dtype=np.int32),
+            "total_draft_tokens": np.array([self.total_draft_tokens], dtype=np.int32),
+            "total_accepted_draft_tokens": np.array([self.total_accepted_draft_tokens], dtype=np.int32),
+            "accepted_per_position": np.array(self.accepted_per_position, dtype=np.int32),
+        }
+        if self.logprobs is not None:
+            arrays["logprobs"] = np.array(self.logprobs, dtype=np.float32)
+        return arrays
+
+
+def _one(inputs: Mapping[str, np.ndarray], name: str, kinds: str, what: str):
+    """The single value of an optional scalar tensor, or None when absent."""
+    if name not in inputs:
+        return None
+    value = np.asarray(inputs[name])
+    if value.size != 1:
+        raise RequestError(name, f"expected one {what} value, got shape {list(value.shape)}")
+    if value.dtype.kind not in kinds:
+        raise RequestError(name, f"expected {what}, got dtype {value.dtype}")
+    return value.reshape(-1)[0]
+
+
+def _text(raw, name: str) -> str:
+    if isinstance(raw, bytes):
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise RequestError(name, "not valid UTF-8") from None
+    if isinstance(raw, str):
+        return raw
+    raise RequestError(name, f"expected BYTES, got {type(raw).__name__}")
+
+
+def _prompt(inputs: Mapping[str, np.ndarray], limits: EngineLimits, tokenizer: Tokenizer | None) -> list[int]:
+    has_text, has_ids = "text_input" in inputs, "input_ids" in inputs
+    if has_text == has_ids:
+        raise RequestError("text_input", "give exactly one of text_input or input_ids")
+    if has_text:
+        if tokenizer is None:
+            raise RequestError("text_input", "the repository has no tokenizer.json; send input_ids")
+        text = _text(_one(inputs, "text_input", "OSU", "BYTES"), "text_input")
+        ids = list(tokenizer.encode(text))
+        if not ids:
+            raise RequestError("text_input", "empty prompt")
+        return ids
+    raw = np.asarray(inputs["input_ids"])
+    if raw.dtype.kind not in "iu":
+        raise RequestError("input_ids", f"expected INT32, got dtype {raw.dtype}")
+    if raw.ndim != 1 and not (raw.ndim == 2 and raw.shape[0] == 1):
+        raise RequestError("input_ids", f"expected shape [n], got {list(raw.shape)}")
+    ids = raw.reshape(-1).astype(np.int64)
+    if ids.size == 0:
+        raise RequestError("input_ids", "empty prompt")
+    bad = ids[(ids < 0) | (ids >= limits.vocab_size)]
+    if bad.size:
+        raise RequestError("input_ids", f"token id {int(bad[0])} outside the vocabulary [0, {limits.vocab_size})")
+    return ids.tolist()
+
+
+def parse_request(
+    inputs: Mapping[str, np.ndarray], limits: EngineLimits, tokenizer: Tokenizer | None
+) -> GenerationRequest:
+    """Build a validated request from its input tensors; raises RequestError naming the field."""
+    input_ids = _prompt(inputs, limits, tokenizer)
+    max_tokens = _one(inputs, "max_tokens", "iu", "INT32")
+    if max_tokens is None:
+        raise RequestError("max_tokens", "missing")
+    max_tokens = int(max_tokens)
+    if max_tokens <= 0:
+        raise RequestError("max_tokens", f"must be > 0, got {max_tokens}")
+    if len(input_ids) + max_tokens > limits.max_seq_len:
+        raise RequestError(
+            "max_tokens",
+            f"prompt ({len(input_ids)} tokens) + max_tokens ({max_tokens}) exceeds max_seq_len {limits.max_seq_len}",
+        )
+    request = GenerationRequest(input_ids=input_ids, max_tokens=max_tokens,
+                                num_draft_tokens=limits.default_num_draft_tokens)
+
+    temperature = _one(inputs, "temperature", "f", "FP32")
+    if temperature is not None:
+        if math.isnan(temperature) or temperature < 0:
+            raise RequestError("temperature", f"must be >= 0, got {float(temperature)}")
+        request.temperature = float(temperature)
+    top_p = _one(inputs, "top_p", "f", "FP32")
+    if top_p is not None:
+        if not 0.0 < top_p <= 1.0:
+            raise RequestError("top_p", f"must be in (0, 1], got {float(top_p)}")
+        request.top_p = float(top_p)
+    top_k = _one(inputs, "top_k", "iu", "INT32")
+    if top_k is not None:
+        if top_k < 0:
+            raise RequestError("top_k", f"must be >= 0, got {int(top_k)}")
+        request.top_k = int(top_k)
+    seed = _one(inputs, "seed", "iu", "UINT64")
+    if seed is not None:
+        request.seed = int(seed) & 0xFFFF_FFFF_FFFF_FFFF
+    num_draft = _one(inputs, "num_draft_tokens", "iu", "INT32")
+    if num_draft is not None:
+        if not 0 <= num_draft <= limits.max_draft_tokens:
+            raise RequestError(
+                "num_draft_tokens", f"must be in [0, {limits.max_draft_tokens}], got {int(num_draft)}"
+            )
+        request.num_draft_tokens = int(num_draft)
+    for flag in ("return_logprobs", "stream"):
+        value = _one(inputs, flag, "b", "BOOL")
+        if value is not None:
+            setattr(request, flag, bool(value))
+    if "stop_words" in inputs:
+        words = [_text(w, "stop_words") for w in np.asarray(inputs["stop_words"]).reshape(-1)]
+        words = [w for w in words if w]
+        if words and tokenizer is None:
+            raise RequestError("stop_words", "the repository has no tokenizer.json to match text against")
+        request.stop_words = words
+    return request

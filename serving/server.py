@@ -1,0 +1,356 @@
+"""Embedded tritonserver launcher and the `triton-mtp serve` subcommand.
+
+The tritonserver 2.51 binary, its Python backend, one backend stub per Python version and the shared
+libraries ship inside the `nvidia-pytriton` wheel:
+
+    site-packages/pytriton/tritonserver/bin/tritonserver
+    site-packages/pytriton/tritonserver/backends/python/libtriton_python.so
+    site-packages/pytriton/tritonserver/python_backend_stubs/3.X/triton_python_backend_stub
+    site-packages/nvidia_pytriton.libs/                      (LD_LIBRARY_PATH)
+
+`TritonServer` lays out a backend directory for the running Python, starts the binary in its own
+process group with this interpreter's bin directory first on PATH (so the stub imports this
+environment's numpy and torch), waits for readiness and stops the whole group.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+SHM_DEFAULT_BYTE_SIZE = 16 * 2**20  # per model instance; the backend's 1 MiB default is outgrown by logits
+SHM_GROWTH_BYTE_SIZE = 16 * 2**20
+STOP_GRACE_S = 30.0
+LOG_TAIL_LINES = 30
+
+
+class TritonServerError(RuntimeError):
+    """The server could not be located, laid out, started or stopped."""
+
+
+class StopRequested(Exception):
+    """SIGINT or SIGTERM reached `triton-mtp serve`."""
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    """Paths of the tritonserver shipped by `nvidia-pytriton`."""
+
+    binary: Path
+    python_backend: Path  # backends/python: libtriton_python.so + triton_python_backend_utils.py
+    stub: Path  # triton_python_backend_stub for the running Python
+    libs: Path  # nvidia_pytriton.libs
+    version: str  # nvidia-pytriton version
+
+
+def find_tritonserver() -> TritonInstall:
+    """Locate binary, Python backend, stub and libraries inside the installed `nvidia-pytriton`."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise TritonServerError("nvidia-pytriton is not installed: pip install nvidia-pytriton==0.7.0")
+    package = Path(next(iter(spec.submodule_search_locations)))
+    root = package / "tritonserver"
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    install = TritonInstall(
+        binary=root / "bin" / "tritonserver",
+        python_backend=root / "backends" / "python",
+        stub=root / "python_backend_stubs" / python / "triton_python_backend_stub",
+        libs=package.parent / "nvidia_pytriton.libs",
+        version=importlib.metadata.version("nvidia-pytriton"),
+    )
+    if not install.stub.is_file():
+        raise TritonServerError(f"nvidia-pytriton has no Python backend stub for Python {python}: {install.stub}")
+    for path in (install.binary, install.python_backend / "libtriton_python.so", install.libs):
+        if not path.exists():
+            raise TritonServerError(f"nvidia-pytriton is incomplete, missing {path}")
+    return install
+
+
+def backend_directory(install: TritonInstall, cache_root: Path | None = None) -> Path:
+    """A `--backend-directory` whose `python/` holds the backend and this Python's stub.
+
+    Built once under `~/.cache/triton-mtp/backends-<pytriton>-py3.X` and reused; concurrent builders
+    each fill a temporary directory and the first rename wins.
+    """
+    if cache_root is None:
+        cache_root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "triton-mtp"
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    target = cache_root / f"backends-{install.version}-py{python}"
+    if (target / "python" / "triton_python_backend_stub").is_file():
+        return target
+    cache_root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=cache_root))
+    try:
+        shutil.copytree(install.python_backend, staging / "python", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy2(install.stub, staging / "python" / "triton_python_backend_stub")
+        os.rename(staging, target)
+    except OSError:
+        if not (target / "python" / "triton_python_backend_stub").is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports that are free right now (all held open until all are chosen)."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def free_port() -> int:
+    """A TCP port that is free right now."""
+    return free_ports(1)[0]
+
+
+def check_port_free(port: int, name: str) -> None:
+    """Raise if something already listens on `port` (the server binds 0.0.0.0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError as exc:
+            raise TritonServerError(f"{name} port {port} is already in use ({exc.strerror})") from None
+
+
+def interpreter_libdir() -> str | None:
+    """Directory of this interpreter's libpython, so the stub links it rather than the system's.
+
+    A stub linked to another build of the same Python version (e.g. Debian's libpython under a
+    pyenv interpreter) runs that build's frozen `site` module and misses this environment's packages.
+    """
+    libdir, soname = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")
+    if libdir and soname and (Path(libdir) / soname).is_file():
+        return libdir
+    return None
+
+
+def check_repository(repository: Path) -> list[str]:
+    """Names of the models in `repository`; raise unless there is at least one with a config.pbtxt."""
+    if not repository.is_dir():
+        raise TritonServerError(f"model repository {repository} does not exist or is not a directory")
+    models = sorted(p.name for p in repository.iterdir() if (p / "config.pbtxt").is_file())
+    if not models:
+        raise TritonServerError(f"model repository {repository} has no model directory with a config.pbtxt")
+    return models
+
+
+class TritonServer:
+    """One tritonserver process serving `repository`; a context manager that starts and waits ready.
+
+    `grpc_url` and `http_url` are `host:port` as tritonclient expects; `metrics_url` is the full
+    Prometheus address. The server's stdout and stderr go to `log_path`.
+    """
+
+    def __init__(
+        self,
+        repository: str | os.PathLike,
+        grpc_port: int = 8001,
+        http_port: int = 8000,
+        metrics_port: int = 8002,
+        log_verbose: int = 0,
+        extra_args: Sequence[str] = (),
+        log_path: str | os.PathLike | None = None,
+    ) -> None:
+        self.repository = Path(repository).resolve()
+        self.ports = {"grpc": grpc_port, "http": http_port, "metrics": metrics_port}
+        self.log_verbose = log_verbose
+        self.extra_args = tuple(extra_args)
+        self.log_path = Path(log_path) if log_path is not None else None
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.ports['grpc']}"
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.ports['http']}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['metrics']}/metrics"
+
+    def command(self, install: TritonInstall, backends: Path) -> list[str]:
+        return [
+            str(install.binary),
+            f"--model-repository={self.repository}",
+            f"--backend-directory={backends}",
+            "--model-control-mode=none",
+            f"--grpc-port={self.ports['grpc']}",
+            f"--http-port={self.ports['http']}",
+            f"--metrics-port={self.ports['metrics']}",
+            f"--log-verbose={self.log_verbose}",
+            f"--backend-config=python,shm-default-byte-size={SHM_DEFAULT_BYTE_SIZE}",
+            f"--backend-config=python,shm-growth-byte-size={SHM_GROWTH_BYTE_SIZE}",
+            f"--exit-timeout-secs={int(STOP_GRACE_S) // 2}",
+            *self.extra_args,
+        ]
+
+    def environment(self, install: TritonInstall) -> dict[str, str]:
+        env = dict(os.environ)
+        libs = [str(install.libs), interpreter_libdir(), env.get("LD_LIBRARY_PATH")]
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, libs))
+        env["PATH"] = os.pathsep.join(filter(None, [os.path.dirname(sys.executable), env.get("PATH")]))
+        return env
+
+    def start(self) -> None:
+        """Check repository and ports, then launch tritonserver in its own process group."""
+        if self.process is not None:
+            raise TritonServerError("server already started")
+        check_repository(self.repository)
+        for name, port in self.ports.items():
+            check_port_free(port, name)
+        install = find_tritonserver()
+        backends = backend_directory(install)
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                self.command(install, backends),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.environment(install),
+                start_new_session=True,
+            )
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The server's error lines (glog `E...` and `error:`), or its last lines when it logged none."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        with open(self.log_path, errors="replace") as log:
+            text = log.readlines()
+        errors = [line for line in text if re.match(r"E\d{4} |error: ", line)]
+        return "".join(errors[-lines:] if errors else text[-lines:])
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Poll the readiness endpoint; raise with the server's last log lines if it exits or times out."""
+        if self.process is None:
+            raise TritonServerError("server not started")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                raise TritonServerError(
+                    f"tritonserver exited with code {code} before becoming ready "
+                    f"(repository {self.repository}, log {self.log_path}):\n{self.log_tail()}"
+                )
+            if self.is_ready():
+                return
+            time.sleep(0.2)
+        raise TritonServerError(
+            f"tritonserver not ready after {timeout:.0f}s (log {self.log_path}):\n{self.log_tail()}"
+        )
+
+    def stop(self, grace: float = STOP_GRACE_S) -> int | None:
+        """SIGTERM the process group, SIGKILL it after `grace` seconds; return the server's exit code."""
+        if self.process is None:
+            return None
+        process, self.process = self.process, None
+        group = process.pid  # start_new_session: the server leads its own group
+        signal_group(group, signal.SIGTERM)
+        try:
+            code = process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            signal_group(group, signal.SIGKILL)
+            code = process.wait()
+        signal_group(group, signal.SIGKILL)  # stubs that outlived the server
+        return code
+
+    def __enter__(self) -> "TritonServer":
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def signal_group(group: int, signum: int) -> None:
+    try:
+        os.killpg(group, signum)
+    except ProcessLookupError:
+        pass
+
+
+def serve(args: argparse.Namespace) -> int:
+    """`triton-mtp serve`: start, wait ready, print the endpoints, block until SIGINT/SIGTERM."""
+    server = TritonServer(
+        args.repository,
+        grpc_port=args.grpc_port,
+        http_port=args.http_port,
+        metrics_port=args.metrics_port,
+        log_verbose=args.log_verbose,
+    )
+
+    def request_stop(signum: int, frame: object) -> None:
+        raise StopRequested(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.start()
+        server.wait_ready(args.ready_timeout)
+        print(f"grpc     {server.grpc_url}", flush=True)
+        print(f"http     http://{server.http_url}", flush=True)
+        print(f"metrics  {server.metrics_url}", flush=True)
+        print(f"log      {server.log_path}", flush=True)
+        code = server.process.wait()
+        raise TritonServerError(f"tritonserver exited with code {code}:\n{server.log_tail()}")
+    except StopRequested:
+        pass
+    except TritonServerError as exc:
+        print(f"triton-mtp serve: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for signum in previous:
+            signal.signal(signum, signal.SIG_IGN)  # a second signal must not abandon the shutdown
+        server.stop()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("serve", help="run tritonserver on a model repository")
+    parser.add_argument("--repository", required=True, help="model repository directory")
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
+    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    parser.set_defaults(func=serve)

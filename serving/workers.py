@@ -1,0 +1,212 @@
+"""What runs inside the `target` and `mtp` Triton models, one call (hop) per engine step.
+
+`TargetWorker.verify` serves every live sequence in one call: rows being prefilled carry their
+prompt (no drafts, one token sampled after it), decoding rows carry the window
+[last token, draft_1 .. draft_k]. Sampling and rejection run next to the logits, so only ids,
+accepted counts, logprobs and the window's hidden states leave the model.
+
+`DraftWorker.propose` first absorbs the newly accepted tokens paired with the target's hidden
+states into every MTP layer's cache (prefill: the shifted prompt), then drafts up to k tokens per
+row autoregressively: draft step s uses MTP layer `s % num_layers` and recycles the MTP's own
+hidden state after `shared_head.norm` (DeepSeek-V3 §2.2, as served by vLLM / SGLang).
+
+The hop payloads are dataclasses of tensors whose field names are the Triton tensor names, so the
+`model.py` adapters and the in-process test backend move them the same way.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from triton_mtp.serving.rejection import verify as verify_drafts
+from triton_mtp.serving.sampling import SamplingParams, row_generator, sample, target_probs
+
+TargetStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+MTPStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+class _Payload:
+    """Tensor fields <-> numpy arrays named by field; an absent optional field is None."""
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray], device: torch.device | str = "cpu"):
+        values = {}
+        for f in dataclasses.fields(cls):
+            array = arrays.get(f.name)
+            if array is None:
+                if f.default is dataclasses.MISSING:
+                    raise ValueError(f"{f.name}: missing input tensor")
+                values[f.name] = None
+            else:
+                values[f.name] = torch.from_numpy(np.ascontiguousarray(array)).to(device)
+        return cls(**values)
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        return {
+            f.name: getattr(self, f.name).detach().cpu().numpy()
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None
+        }
+
+
+@dataclass
+class RowParams(_Payload):
+    """Per-row sampling knobs and seeds shared by both hops' inputs."""
+
+    temperature: torch.Tensor  # [B] float32
+    top_k: torch.Tensor  # [B] int64
+    top_p: torch.Tensor  # [B] float32
+    seeds: torch.Tensor  # [B] int64 (the request's uint64 seed, bit for bit)
+    new: torch.Tensor  # [B] bool: first call for this slot's sequence, (re)seed its generator
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p)
+
+
+@dataclass
+class TargetBatch(RowParams):
+    token_ids: torch.Tensor = None  # [B, T] int64: prompt, or [last, drafts...]
+    positions: torch.Tensor = None  # [B, T] int64, -1 = padding
+    slot_ids: torch.Tensor = None  # [B] int64
+    num_draft: torch.Tensor = None  # [B] int64: the last num_draft[b] valid tokens are drafts
+    draft_probs: torch.Tensor | None = None  # [B, K, V] q of sampled drafts; None: argmax drafts
+
+
+@dataclass
+class TargetResult(_Payload):
+    output_ids: torch.Tensor  # [B, K+1] int64: accepted drafts, then the recovered/bonus token, then -1
+    num_accepted: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B, K+1] float32: log p(output token) under the unprocessed target
+    hidden: torch.Tensor  # [B, T, H] float32: target hidden after model.norm, per window position
+
+
+@dataclass
+class DraftBatch(RowParams):
+    token_ids: torch.Tensor = None  # [B, T] int64: tokens t_{i+1} to absorb
+    hidden: torch.Tensor = None  # [B, T, H] float32: target hidden h_i paired with them
+    positions: torch.Tensor = None  # [B, T] int64: i, -1 = padding
+    slot_ids: torch.Tensor = None  # [B] int64
+    num_draft: torch.Tensor = None  # [B] int64: drafts wanted per row (>= 1)
+
+
+@dataclass
+class DraftResult(_Payload):
+    draft_ids: torch.Tensor  # [B, K] int64, 0 past num_draft[b]
+    draft_probs: torch.Tensor | None = None  # [B, K, V] float32 when any row samples
+
+
+class _Generators:
+    """One torch.Generator per slot, reseeded when a slot starts a new sequence."""
+
+    def __init__(self, max_slots: int, device: torch.device) -> None:
+        self._device = device
+        self._by_slot: list[torch.Generator | None] = [None] * max_slots
+
+    def rows(self, slot_ids: torch.Tensor, seeds: torch.Tensor, new: torch.Tensor) -> list[torch.Generator]:
+        for slot, seed, fresh in zip(slot_ids.tolist(), seeds.tolist(), new.tolist()):
+            if fresh or self._by_slot[slot] is None:
+                self._by_slot[slot] = row_generator(seed & 0xFFFF_FFFF_FFFF_FFFF, self._device)
+        return [self._by_slot[slot] for slot in slot_ids.tolist()]
+
+
+def _check_slots(slot_ids: torch.Tensor, max_slots: int) -> None:
+    bad = slot_ids[(slot_ids < 0) | (slot_ids >= max_slots)]
+    if bad.numel():
+        raise ValueError(f"slot_ids: slot {int(bad[0])} outside the pool [0, {max_slots})")
+
+
+class TargetWorker:
+    """Verifies drafts (and prefills prompts) for all rows with one target call."""
+
+    def __init__(self, target: TargetStep, max_slots: int, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        self._target = target
+        self._max_slots = max_slots
+        self._device = torch.device(device)
+        self._dtype = dtype
+        self._generators = _Generators(max_slots, self._device)
+
+    @torch.no_grad()
+    def verify(self, batch: TargetBatch) -> TargetResult:
+        _check_slots(batch.slot_ids, self._max_slots)
+        generators = self._generators.rows(batch.slot_ids, batch.seeds, batch.new)
+        logits, hidden = self._target(batch.token_ids, batch.positions, batch.slot_ids)  # [B, T, V], [B, T, H]
+        B, T, V = logits.shape
+        K = int(batch.num_draft.max()) if B else 0
+        length = (batch.positions >= 0).sum(1)  # [B] valid tokens per row
+        first = length - 1 - batch.num_draft  # [B] index of the token before the drafts
+        window = (first.view(B, 1) + torch.arange(K + 1, device=logits.device)).clamp(0, T - 1)  # [B, K+1]
+        window_logits = logits.gather(1, window.unsqueeze(-1).expand(B, K + 1, V))  # [B, K+1, V]
+        draft_ids = batch.token_ids.gather(1, window[:, 1:])  # [B, K]
+        params = batch.sampling()
+        probs = target_probs(window_logits, params)  # [B, K+1, V]
+        num_accepted, output_ids = verify_drafts(
+            probs, draft_ids, batch.draft_probs, batch.num_draft, params.greedy, generators
+        )  # [B], [B, K+1]
+        logprobs = window_logits.log_softmax(-1).gather(-1, output_ids.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # [B, K+1]
+        return TargetResult(output_ids, num_accepted, logprobs, hidden.float())
+
+
+class DraftWorker:
+    """Absorbs accepted tokens into the MTP caches and drafts up to k tokens per row, in one call."""
+
+    def __init__(self, mtp: MTPStep, num_layers: int, max_slots: int, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        if num_layers < 1:
+            raise ValueError(f"num_mtp_layers: must be >= 1 to draft, got {num_layers}")
+        self._mtp = mtp
+        self._num_layers = num_layers
+        self._max_slots = max_slots
+        self._device = torch.device(device)
+        self._dtype = dtype
+        self._generators = _Generators(max_slots, self._device)
+
+    @torch.no_grad()
+    def propose(self, batch: DraftBatch) -> DraftResult:
+        _check_slots(batch.slot_ids, self._max_slots)
+        generators = self._generators.rows(batch.slot_ids, batch.seeds, batch.new)
+        params = batch.sampling()
+        sampled = not bool(params.greedy.all())
+        slots, num_draft = batch.slot_ids, batch.num_draft  # [B], [B]
+        B = slots.shape[0]
+        K = int(num_draft.max())
+        hidden = batch.hidden.to(self._dtype)  # [B, T, H]
+        last = (batch.positions >= 0).sum(1) - 1  # [B] index of the last absorbed pair
+        base = batch.positions.gather(1, last.view(B, 1))  # [B, 1] its position
+        # Absorb into every layer, so each layer's cache covers every position up to `base`.
+        for layer in range(self._num_layers - 1, -1, -1):
+            logits, out = self._mtp(batch.token_ids, hidden, batch.positions, slots, layer)  # [B, T, V], [B, T, H]
+        rows = torch.arange(B, device=slots.device)  # [B]
+        logits, out = logits[rows, last], out[rows, last]  # [B, V], [B, H] from layer 0: draft 1
+
+        drafts, draft_probs = [], []
+        chain_tokens, chain_hidden = [], []  # pairs for positions base+1, base+2, ...
+        written = [0] * self._num_layers  # per layer: chain pairs already in its cache
+        for step in range(K):
+            probs = target_probs(logits.unsqueeze(1), params)  # [B, 1, V]
+            token = sample(probs, generators)[:, 0] if sampled else probs[:, 0].argmax(-1)  # [B]
+            drafts.append(token)
+            draft_probs.append(probs[:, 0])
+            if step + 1 == K:
+                break
+            chain_tokens.append(token)
+            chain_hidden.append(out)
+            layer = (step + 1) % self._num_layers
+            # Write the chain pairs this layer has not seen yet, up to position base + step + 1.
+            start = written[layer]
+            tokens = torch.stack(chain_tokens[start:], 1)  # [B, n]
+            pairs_hidden = torch.stack(chain_hidden[start:], 1)  # [B, n, H]
+            offsets = torch.arange(start + 1, step + 2, device=base.device)  # [n]
+            positions = base + offsets  # [B, n]
+            positions = torch.where(num_draft.view(B, 1) > step + 1, positions, -1)  # [B, n] done rows pad
+            logits, out = self._mtp(tokens, pairs_hidden, positions, slots, layer)  # [B, n, V], [B, n, H]
+            logits, out = logits[:, -1], out[:, -1]  # [B, V], [B, H]
+            written[layer] = step + 1
+        draft_ids = torch.stack(drafts, 1)  # [B, K]
+        keep = torch.arange(K, device=draft_ids.device) < num_draft.view(B, 1)  # [B, K]
+        draft_ids = torch.where(keep, draft_ids, 0)  # [B, K]
+        return DraftResult(draft_ids, torch.stack(draft_probs, 1).float() if sampled else None)
