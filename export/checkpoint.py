@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -95,19 +94,34 @@ def load_checkpoint(
     params = target.state_dict(keep_vars=True)
     if mtp is not None:
         params.update(mtp.state_dict(keep_vars=True))
+    _stream(root, params, duplicates, tensors, block, progress)
+    for module in (target, mtp):
+        if module is not None:
+            module.eval().requires_grad_(False)
+    return config, target, mtp
+
+
+def _stream(
+    root: Path,
+    params: dict[str, torch.Tensor],
+    duplicates: dict[str, str],
+    tensors: dict[str, TensorInfo],
+    block: tuple[int, int],
+    progress: bool,
+) -> None:
+    """Copy each tensor into its parameter, file by file; then check the MTP duplicates of shared ones."""
     with contextlib.ExitStack() as stack, torch.no_grad():
         shards = _OpenFiles(stack)
-        bar = stack.enter_context(tqdm(total=len(params), desc=f"loading {root.name}", unit="tensor", disable=not progress))
+        bar = stack.enter_context(tqdm(total=len(params), desc=f"loading {root.name}", unit="tensor",
+                                       disable=not progress))
         for name in sorted(params, key=lambda n: (str(tensors[n].file), n)):
             params[name].copy_(shards.read(name, tensors, block))
             bar.update()
         for name, shared in duplicates.items():
             if not torch.equal(shards.read(name, tensors, block).to(params[shared]), params[shared]):
-                raise CheckpointError(f"{tensors[name].file}: tensor {name!r} differs from {shared!r} (MTP layers share it)")
-    for module in (target, mtp):
-        if module is not None:
-            module.eval().requires_grad_(False)
-    return config, target, mtp
+                raise CheckpointError(
+                    f"{tensors[name].file}: tensor {name!r} differs from {shared!r} (MTP layers share it)"
+                )
 
 
 def shard_files(root: Path) -> tuple[list[Path], dict[str, Path]]:
@@ -176,7 +190,9 @@ def _block_size(config_path: Path) -> tuple[int, int]:
         )
     block = quant.get("weight_block_size", list(DEFAULT_BLOCK))
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise CheckpointError(f"{config_path}: key 'quantization_config.weight_block_size' must be two positive integers, got {block!r}")
+        raise CheckpointError(
+            f"{config_path}: key 'quantization_config.weight_block_size' must be two positive integers, got {block!r}"
+        )
     return block[0], block[1]
 
 
@@ -197,6 +213,7 @@ def _build(config: ModelConfig, max_slots: int, max_seq_len: int) -> tuple[Deeps
 
 
 def _expected_shapes(target: DeepseekV3Target, mtp: DeepseekV3MTP | None) -> dict[str, tuple[int, ...]]:
+    """Checkpoint name -> shape of every tensor the modules load."""
     shapes = {name: tuple(t.shape) for name, t in target.state_dict().items()}
     if mtp is not None:
         shapes.update({name: tuple(t.shape) for name, t in mtp.state_dict().items()})
@@ -210,17 +227,18 @@ def _check_names(
     missing = sorted(set(shapes) - set(tensors))
     if missing:
         raise CheckpointError(f"{root}: missing tensors {_listing(missing)}")
-    mtp_layer = re.compile(rf"model\.layers\.(\d+)\.({'|'.join(map(re.escape, _SHARED_DUPLICATES))})$")
+    n = config.num_hidden_layers
+    shared_copies = {f"model.layers.{n + i}.{suffix}": shared
+                     for i in range(config.num_nextn_predict_layers) for suffix, shared in _SHARED_DUPLICATES.items()}
     duplicates, unexpected = {}, []
     for name in sorted(set(tensors) - set(shapes)):
         weight = name.removesuffix(SCALE_SUFFIX)
-        match = mtp_layer.match(name)
         if name.endswith(SCALE_SUFFIX) and weight in shapes and tensors[weight].dtype == "F8_E4M3":
             continue
-        if match and config.num_hidden_layers <= int(match[1]) < config.num_hidden_layers + config.num_nextn_predict_layers:
-            duplicates[name] = _SHARED_DUPLICATES[match[2]]
-            continue
-        unexpected.append(name)
+        if name in shared_copies:
+            duplicates[name] = shared_copies[name]
+        else:
+            unexpected.append(name)
     if unexpected:
         raise CheckpointError(f"{tensors[unexpected[0]].file}: unexpected tensors {_listing(unexpected)}")
     return duplicates

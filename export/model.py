@@ -116,7 +116,7 @@ class _MTPLayers(nn.Module):
         )
 
 
-_SHARED = ("embed_tokens.", "head.")
+_SHARED = ("embed_tokens.weight", "head.weight")
 
 
 class DeepseekV3MTP(nn.Module):
@@ -185,10 +185,11 @@ class MTPLayerStep(nn.Module):
 
 
 def _drop_shared_keys(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    for key in [k for k in state_dict if k.startswith(tuple(prefix + s for s in _SHARED))]:
-        del state_dict[key]
+    for name in _SHARED:
+        state_dict.pop(prefix + name, None)
 
 
 def _ignore_missing_shared_keys(module: nn.Module, incompatible_keys) -> None:
+    """Missing keys are named from the module `load_state_dict` was called on, which may wrap the MTP."""
     missing = incompatible_keys.missing_keys
-    missing[:] = [k for k in missing if not k.startswith(_SHARED)]
+    missing[:] = [k for k in missing if not any(k == s or k.endswith("." + s) for s in _SHARED)]

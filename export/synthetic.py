@@ -31,7 +31,7 @@ def random_weights(cfg: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor
     that mixes up two norms or drops the bias changes the outputs.
     """
     if cfg.get("moe_layer_freq", 1) != 1:
-        raise ValueError(f"config key 'moe_layer_freq' must be 1 for synthetic checkpoints, got {cfg['moe_layer_freq']!r}")
+        raise ValueError(f"config key 'moe_layer_freq': synthetic checkpoints need 1, got {cfg['moe_layer_freq']!r}")
     n_target = cfg["num_hidden_layers"]
     n_mtp = cfg.get("num_nextn_predict_layers", 0)
     hidden = cfg["hidden_size"]

@@ -144,9 +144,18 @@ class TargetWorker:
         draft_ids = batch.token_ids.gather(1, window[:, 1:])  # [B, K]
         params = batch.sampling()
         probs = target_probs(window_logits, params)  # [B, K+1, V]
-        num_accepted, output_ids = verify_drafts(
-            probs, draft_ids, batch.draft_probs, batch.num_draft, params.greedy, generators
-        )  # [B], [B, K+1]
+        num_accepted = torch.zeros(B, dtype=torch.int64, device=logits.device)  # [B]
+        output_ids = torch.full((B, K + 1), -1, dtype=torch.int64, device=logits.device)  # [B, K+1]
+        # One verify per draft length k, so a row's random draws depend on its own k only.
+        for k in batch.num_draft.unique().tolist():
+            rows = (batch.num_draft == k).nonzero().squeeze(1)  # [b]
+            q = None if batch.draft_probs is None else batch.draft_probs[rows, :k]  # [b, k, V]
+            accepted, emitted = verify_drafts(
+                probs[rows, : k + 1], draft_ids[rows, :k], q, batch.num_draft[rows],
+                params.greedy[rows], [generators[i] for i in rows.tolist()],
+            )  # [b], [b, k+1]
+            num_accepted[rows] = accepted
+            output_ids[rows, : k + 1] = emitted
         logprobs = window_logits.log_softmax(-1).gather(-1, output_ids.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # [B, K+1]
         return TargetResult(output_ids, num_accepted, logprobs, hidden.float())
 
@@ -188,7 +197,10 @@ class DraftWorker:
         written = [0] * self._num_layers  # per layer: chain pairs already in its cache
         for step in range(K):
             probs = target_probs(logits.unsqueeze(1), params)  # [B, 1, V]
-            token = sample(probs, generators)[:, 0] if sampled else probs[:, 0].argmax(-1)  # [B]
+            token = probs[:, 0].argmax(-1)  # [B]
+            if sampled:  # draw only for rows still drafting, so a row's draws depend on its own k
+                active = (num_draft > step).nonzero().squeeze(1)  # [b]
+                token[active] = sample(probs[active], [generators[i] for i in active.tolist()])[:, 0]
             drafts.append(token)
             draft_probs.append(probs[:, 0])
             if step + 1 == K:
@@ -210,3 +222,18 @@ class DraftWorker:
         keep = torch.arange(K, device=draft_ids.device) < num_draft.view(B, 1)  # [B, K]
         draft_ids = torch.where(keep, draft_ids, 0)  # [B, K]
         return DraftResult(draft_ids, torch.stack(draft_probs, 1).float() if sampled else None)
+
+
+class InProcessHops:
+    """The scheduler's hops served by workers in this process (no server, same code path)."""
+
+    def __init__(self, target: TargetWorker, draft: DraftWorker | None) -> None:
+        self._target, self._draft = target, draft
+
+    def target(self, batch: TargetBatch) -> TargetResult:
+        return self._target.verify(batch)
+
+    def mtp(self, batch: DraftBatch) -> DraftResult:
+        if self._draft is None:
+            raise RuntimeError("mtp: the checkpoint has no MTP layers")
+        return self._draft.propose(batch)

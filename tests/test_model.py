@@ -7,11 +7,8 @@ import json
 import pytest
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
-    DeepseekV3DecoderLayer,
-    DeepseekV3RMSNorm,
-    DeepseekV3RotaryEmbedding,
-)
+from transformers.core_model_loading import revert_weight_conversion
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm, DeepseekV3RotaryEmbedding
 
 from tiny_config import tiny_config
 from triton_mtp.export.config import ModelConfig
@@ -37,22 +34,9 @@ def randomize(module: torch.nn.Module, seed: int) -> None:
                 b.copy_(0.2 * torch.randn(b.shape, generator=g))
 
 
-def per_expert(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers' fused in-memory expert tensors -> the checkpoint's `experts.{e}.*_proj.weight`."""
-    out = {}
-    for key, t in state_dict.items():
-        if key.endswith("mlp.experts.gate_up_proj"):
-            base = key[: -len("gate_up_proj")]
-            gate, up = t.chunk(2, dim=1)  # [E, I, H] each
-            for e in range(t.shape[0]):
-                out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = gate[e], up[e]
-        elif key.endswith("mlp.experts.down_proj"):
-            base = key[: -len("down_proj")]
-            for e in range(t.shape[0]):
-                out[f"{base}{e}.down_proj.weight"] = t[e]
-        else:
-            out[key] = t
-    return out
+def checkpoint_names(model: DeepseekV3ForCausalLM) -> dict[str, torch.Tensor]:
+    """transformers' in-memory state dict under the checkpoint's names (`experts.{e}.*_proj.weight`)."""
+    return revert_weight_conversion(model, model.state_dict())
 
 
 @pytest.fixture(scope="module")
@@ -75,16 +59,32 @@ def hf_model(hf_config: DeepseekV3Config) -> DeepseekV3ForCausalLM:
 
 
 @pytest.fixture(scope="module")
-def target(config: ModelConfig, hf_model: DeepseekV3ForCausalLM) -> DeepseekV3Target:
-    model = DeepseekV3Target(config, MAX_SLOTS, MAX_SEQ_LEN).eval()
-    model.load_state_dict(per_expert(hf_model.state_dict()), strict=True)
+def hf_with_mtp_layers(hf_config: DeepseekV3Config) -> DeepseekV3ForCausalLM:
+    """transformers' model with N + num_nextn_predict_layers layers; layers N.. are the MTP decoder layers."""
+    n = hf_config.num_hidden_layers + hf_config.num_nextn_predict_layers
+    c = DeepseekV3Config(**tiny_config() | {"num_hidden_layers": n})
+    c._attn_implementation = "eager"
+    model = DeepseekV3ForCausalLM(c).eval()
+    randomize(model, seed=1)
     return model
 
 
 @pytest.fixture(scope="module")
-def mtp(config: ModelConfig, target: DeepseekV3Target) -> DeepseekV3MTP:
+def target(config: ModelConfig, hf_model: DeepseekV3ForCausalLM) -> DeepseekV3Target:
+    model = DeepseekV3Target(config, MAX_SLOTS, MAX_SEQ_LEN).eval()
+    model.load_state_dict(checkpoint_names(hf_model), strict=True)
+    return model
+
+
+@pytest.fixture(scope="module")
+def mtp(config: ModelConfig, target: DeepseekV3Target, hf_with_mtp_layers: DeepseekV3ForCausalLM) -> DeepseekV3MTP:
+    """MTP decoder layers from transformers' layers N..; enorm, hnorm, eh_proj, shared_head.norm random."""
     model = DeepseekV3MTP(config, target, MAX_SLOTS, MAX_SEQ_LEN).eval()
-    randomize(model.model, seed=1)
+    randomize(model.model, seed=2)
+    decoder_weights = {k: v for k, v in checkpoint_names(hf_with_mtp_layers).items() if k in model.state_dict()}
+    missing = model.load_state_dict(decoder_weights, strict=False).missing_keys
+    assert {k.split(".", 3)[3] for k in missing} == {"enorm.weight", "hnorm.weight", "eh_proj.weight",
+                                                     "shared_head.norm.weight"}
     return model
 
 
@@ -118,18 +118,17 @@ def test_routing_bias_changes_the_output(target: DeepseekV3Target) -> None:
 @torch.no_grad()
 @pytest.mark.parametrize("layer", [0, 1])
 def test_mtp_layer_matches_transformers_composition(
-    layer: int, config: ModelConfig, hf_config: DeepseekV3Config, mtp: DeepseekV3MTP, target: DeepseekV3Target
+    layer: int,
+    config: ModelConfig,
+    hf_config: DeepseekV3Config,
+    hf_with_mtp_layers: DeepseekV3ForCausalLM,
+    mtp: DeepseekV3MTP,
+    target: DeepseekV3Target,
 ) -> None:
     n = config.num_hidden_layers
     prefix = f"model.layers.{n + layer}."
     mine = {k[len(prefix):]: v for k, v in mtp.state_dict().items() if k.startswith(prefix)}
-    decoder = DeepseekV3DecoderLayer(hf_config, layer_idx=n + layer).eval()
-    fused = {k: v for k, v in mine.items() if not k.startswith(("enorm", "hnorm", "eh_proj", "shared_head"))}
-    experts = [fused.pop(f"mlp.experts.{e}.{p}_proj.weight") for e in range(8) for p in ("gate", "up", "down")]
-    gate, up, down = experts[0::3], experts[1::3], experts[2::3]
-    fused["mlp.experts.gate_up_proj"] = torch.cat([torch.stack(gate), torch.stack(up)], dim=1)  # [E, 2I, H]
-    fused["mlp.experts.down_proj"] = torch.stack(down)  # [E, H, I]
-    decoder.load_state_dict(fused, strict=True)
+    decoder = hf_with_mtp_layers.model.layers[n + layer]
 
     def norm(weight: torch.Tensor) -> DeepseekV3RMSNorm:
         m = DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -268,7 +267,8 @@ def test_config_round_trips_through_to_dict(config: ModelConfig) -> None:
 
 def test_config_rejects_other_model_types() -> None:
     d = tiny_config() | {"model_type": "llama"}
-    with pytest.raises(CheckpointError, match=r"^ckpt/config.json: unsupported model_type 'llama' \(expected 'deepseek_v3'\)$"):
+    message = r"^ckpt/config.json: unsupported model_type 'llama' \(expected 'deepseek_v3'\)$"
+    with pytest.raises(CheckpointError, match=message):
         ModelConfig.from_dict(d, source="ckpt/config.json")
 
 

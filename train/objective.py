@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-from transformers.masking_utils import create_causal_mask
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3DecoderLayer,
     DeepseekV3RMSNorm,
@@ -45,7 +44,6 @@ class MTPLayer(DeepseekV3DecoderLayer):
 
     def __init__(self, config: DeepseekV3Config, layer_idx: int):
         super().__init__(config, layer_idx)
-        self.config = config
         self.enorm = DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.hnorm = DeepseekV3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
@@ -60,8 +58,8 @@ class MTPLayer(DeepseekV3DecoderLayer):
     ) -> torch.Tensor:
         """hidden[B,T,H] (depth k-1), token_embeds[B,T,H] (tokens i+k) -> hidden_out[B,T,H]."""
         x = self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(hidden)], dim=-1))  # B, T, H
-        mask = create_causal_mask(self.config, x, attention_mask=None, cache=None, position_ids=position_ids)
-        x = super().forward(x, attention_mask=mask, position_ids=position_ids,
+        # no mask: SDPA attention runs causal when attention_mask is None
+        x = super().forward(x, attention_mask=None, position_ids=position_ids,
                             position_embeddings=rotary(x, position_ids))  # B, T, H
         return self.shared_head.norm(x)  # B, T, H
 
@@ -78,25 +76,39 @@ class TrainingModel(nn.Module):
         for module in self.mtp.modules():
             self.target._init_weights(module)
 
-    def losses(self, tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """tokens[B,L] -> (next-token loss, [MTP loss of depth k for k = 1..D])."""
+    def forward(self, tokens: torch.Tensor) -> list[torch.Tensor]:
+        """tokens[B,L] -> [target logits[B,L,V], then MTP depth k logits[B,L-k,V] for k = 1..D].
+
+        Row i of depth k (k = 0 is the target) predicts token i+k+1.
+        """
         B, L = tokens.shape  # batch, window length
         base = self.target.model
         positions = torch.arange(L, device=tokens.device).unsqueeze(0)  # 1, L
         hidden = base(input_ids=tokens, position_ids=positions).last_hidden_state  # B, L, H
-        main = _cross_entropy(self.target.lm_head(hidden[:, :-1]), tokens[:, 1:])
+        logits = [self.target.lm_head(hidden)]  # B, L, V
         embeds = base.embed_tokens(tokens)  # B, L, H
-        mtp_losses = []
         for k, layer in enumerate(self.mtp, start=1):
             n = L - k  # rows i = 0..n-1 pair h^{k-1}_i with embed(t_{i+k})
             hidden = layer(hidden[:, :n], embeds[:, k:k + n], positions[:, :n] + (k - 1), base.rotary_emb)  # B, n, H
-            mtp_losses.append(_cross_entropy(self.target.lm_head(hidden[:, :-1]), tokens[:, k + 1:]))
-        return main, mtp_losses
+            logits.append(self.target.lm_head(hidden))  # B, n, V
+        return logits
 
 
-def objective(main: torch.Tensor, mtp_losses: list[torch.Tensor], weight: float) -> torch.Tensor:
-    """Next-token loss plus `weight` times the mean MTP loss."""
-    return main + weight * torch.stack(mtp_losses).mean()
+def depth_losses(logits: list[torch.Tensor], tokens: torch.Tensor) -> list[torch.Tensor]:
+    """Cross-entropy of each depth (target first) against the tokens it predicts."""
+    return [_cross_entropy(lg[:, :-1], tokens[:, k + 1:]) for k, lg in enumerate(logits)]
+
+
+def draft_agreement(logits: list[torch.Tensor]) -> list[float]:
+    """Teacher-forced greedy acceptance per MTP depth: MTP_k's argmax at row i equals the target's at i+k."""
+    target = logits[0].argmax(-1)  # B, L
+    return [(lg.argmax(-1) == target[:, k:]).float().mean().item()
+            for k, lg in enumerate(logits[1:], start=1)]
+
+
+def objective(losses: list[torch.Tensor], weight: float) -> torch.Tensor:
+    """Next-token loss (first) plus `weight` times the mean MTP loss (the rest)."""
+    return losses[0] + weight * torch.stack(losses[1:]).mean()
 
 
 def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -109,13 +121,14 @@ class LoadBalancer:
     def __init__(self, model: nn.Module, speed: float = BIAS_UPDATE_SPEED):
         self.speed = speed
         self.routers = [m for m in model.modules() if isinstance(m, DeepseekV3TopkRouter)]
-        self.loads = {id(r): torch.zeros(r.num_experts, device=r.weight.device) for r in self.routers}
+        self.loads = {id(r): torch.zeros_like(r.e_score_correction_bias) for r in self.routers}
         for router in self.routers:
             router.register_forward_hook(self._count)
 
     def _count(self, router: DeepseekV3TopkRouter, _inputs, outputs) -> None:
-        topk_indices = outputs[2]  # tokens, top_k
-        self.loads[id(router)] += torch.bincount(topk_indices.flatten(), minlength=router.num_experts)
+        topk_indices = next(t for t in outputs if not t.is_floating_point())  # tokens, top_k
+        load = self.loads[id(router)]  # E
+        load += torch.bincount(topk_indices.flatten(), minlength=load.numel())
 
     @torch.no_grad()
     def update(self) -> None:

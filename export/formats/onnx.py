@@ -24,32 +24,42 @@ _TORCH = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16, "ten
 
 
 class _PoolAsIO(nn.Module):
-    """forward(*inputs, kv_cache) -> (logits, hidden, new kv_cache), running `step` on a copy of the pool."""
+    """Runs `step` on a copy of the pool handed in and returns that copy as a third output."""
 
     def __init__(self, step: nn.Module) -> None:
         super().__init__()
         self.step = step
         self.pool_name, _ = kv_cache_of(step)
 
-    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        *step_inputs, kv_cache = inputs
+    def _run(
+        self, inputs: tuple[torch.Tensor, ...], kv_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         pool = kv_cache.clone()  # [L, S, P + 1, D]
-        logits, hidden = torch.func.functional_call(self.step, {self.pool_name: pool}, tuple(step_inputs), strict=False)
+        logits, hidden = torch.func.functional_call(self.step, {self.pool_name: pool}, inputs, strict=False)
         return logits, hidden, pool
 
 
+class _TargetPoolIO(_PoolAsIO):
+    def forward(self, token_ids, positions, slot_ids, kv_cache):  # noqa: D102 - names become ONNX input names
+        return self._run((token_ids, positions, slot_ids), kv_cache)
+
+
+class _MTPPoolIO(_PoolAsIO):
+    def forward(self, token_ids, hidden, positions, slot_ids, kv_cache):  # noqa: D102
+        return self._run((token_ids, hidden, positions, slot_ids), kv_cache)
+
+
 def save(step: nn.Module, example_inputs: tuple[torch.Tensor, ...], dynamic_shapes: tuple, path: Path) -> None:
-    """Export `step` with the pool appended to its inputs; input names follow the step's forward."""
+    """Export `step` with the pool appended to its inputs; the input names are the step's argument names."""
     _, pool = kv_cache_of(step)
     if pool.dtype not in _NUMPY:
         raise ValueError(f"format onnx: dtype {str(pool.dtype).removeprefix('torch.')} is not supported (use fp32 or fp16)")
-    names = ["token_ids", "hidden", "positions", "slot_ids"] if len(example_inputs) == 4 else ["token_ids", "positions", "slot_ids"]
+    wrapper = _MTPPoolIO(step) if len(example_inputs) == 4 else _TargetPoolIO(step)
     with torch.no_grad():
         torch.onnx.export(
-            _PoolAsIO(step),
+            wrapper,
             (*example_inputs, torch.zeros_like(pool)),
             str(path),
-            input_names=[*names, "kv_cache"],
             output_names=["logits", "hidden_out", "kv_cache_out"],
             dynamic_shapes=(*dynamic_shapes, None),
             dynamo=True,

@@ -1,0 +1,372 @@
+"""Continuous batching for `spec_decode`: one loop, one `mtp` hop and one `target` hop per step.
+
+Every step serves all live sequences together:
+
+1. admit waiting requests into free slots (their prompt joins this step's target hop);
+2. `mtp` hop for the sequences that speculate: absorb the tokens accepted in the previous step
+   (paired with the target's hidden states; after prefill, the shifted prompt) and draft
+   k = min(num_draft_tokens, tokens still allowed - 1) tokens each;
+3. `target` hop for every sequence: prefill rows carry their prompt, decoding rows the window
+   [last token, drafts]; sampling and acceptance happen inside the target;
+4. emit the accepted tokens plus the recovered/bonus token, check max_tokens / EOS / stop words,
+   stream, and free the slots of finished sequences.
+
+Rejected drafts are never undone: the next step's window starts at the sequence's real length and
+writes over their cache positions. Plain decoding (k = 0) rows skip the mtp hop entirely.
+The loop is pb_utils-free: hops and response senders come in through small protocols.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from triton_mtp.serving.metrics import EngineMetrics
+from triton_mtp.serving.requests import (
+    EngineLimits, GenerationRequest, GenerationResponse, QueueFull, Tokenizer,
+)
+from triton_mtp.serving.slots import SlotPool
+from triton_mtp.serving.workers import DraftBatch, DraftResult, TargetBatch, TargetResult
+
+
+class Hops(Protocol):
+    """The two calls a step makes; each is one process hop when served by Triton."""
+
+    def target(self, batch: TargetBatch) -> TargetResult: ...
+    def mtp(self, batch: DraftBatch) -> DraftResult: ...
+
+
+class ResponseHandle(Protocol):
+    """Where one request's responses go (a Triton response sender, or a list in tests)."""
+
+    def send(self, response: GenerationResponse, final: bool) -> None: ...
+    def send_error(self, message: str) -> None: ...
+    def is_cancelled(self) -> bool: ...
+
+
+@dataclass
+class _Sequence:
+    request: GenerationRequest
+    handle: ResponseHandle
+    slot: int
+    tokens: list[int]  # prompt + emitted; tokens[-1] is the next step's input
+    prefilled: bool = False
+    drafting: bool = False  # the mtp has seen this sequence (its generator is seeded)
+    absorb_tokens: list[int] = field(default_factory=list)  # t_{i+1} for the next mtp hop
+    absorb_hidden: torch.Tensor | None = None  # [n, H] target hidden h_i paired with them
+    absorb_start: int = 0  # position i of the first pair
+    drafts: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None  # [k, V]
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text_sent: str = ""
+    stop_text: str | None = None  # output text cut before the stop word that ended it
+    finish_reason: str = ""
+    total_draft_tokens: int = 0
+    total_accepted_draft_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def num_draft(self) -> int:
+        """Drafts for the next step: never more than the tokens still allowed after the bonus one."""
+        left = self.request.max_tokens - len(self.output_ids) - 1
+        return max(0, min(self.request.num_draft_tokens, left))
+
+
+def _row_params(rows: list[_Sequence], new: list[bool]) -> dict[str, torch.Tensor]:
+    requests = [s.request for s in rows]
+    return {
+        "temperature": torch.tensor([r.temperature for r in requests], dtype=torch.float32),  # [B]
+        "top_k": torch.tensor([r.top_k for r in requests], dtype=torch.int64),  # [B]
+        "top_p": torch.tensor([r.top_p for r in requests], dtype=torch.float32),  # [B]
+        "seeds": torch.tensor([r.seed - (1 << 64) if r.seed >= 1 << 63 else r.seed for r in requests],
+                              dtype=torch.int64),  # [B]
+        "new": torch.tensor(new, dtype=torch.bool),  # [B]
+        "slot_ids": torch.tensor([s.slot for s in rows], dtype=torch.int64),  # [B]
+    }
+
+
+class Scheduler:
+    """Owns the slots, the waiting queue and the step loop (run by `start()` or step by step)."""
+
+    def __init__(self, hops: Hops, limits: EngineLimits, metrics: EngineMetrics | None = None,
+                 tokenizer: Tokenizer | None = None) -> None:
+        self._hops = hops
+        self._limits = limits
+        self._tokenizer = tokenizer
+        self.metrics = metrics or EngineMetrics(limits.max_draft_tokens)
+        self.slots = SlotPool(limits.max_slots)
+        self._waiting: deque[tuple[GenerationRequest, ResponseHandle]] = deque()
+        self._live: list[_Sequence] = []
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._publish()
+
+    # ---- requests in -------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest, handle: ResponseHandle) -> None:
+        """Queue a validated request; raises QueueFull when it would wait beyond the bound."""
+        with self._cond:
+            if len(self._waiting) >= self._limits.max_queue_size + self.slots.num_free:
+                raise QueueFull(
+                    f"spec_decode: all {self._limits.max_slots} slots are busy and "
+                    f"{self._limits.max_queue_size} requests are waiting; retry later"
+                )
+            self._waiting.append((request, handle))
+            self._cond.notify()
+
+    @property
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._waiting and not self._live
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="spec_decode-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the loop; requests still queued or live get an error response."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+        for s in list(self._live):
+            self._fail(s, "spec_decode: the model is being unloaded")
+        while self._waiting:
+            self._waiting.popleft()[1].send_error("spec_decode: the model is being unloaded")
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._waiting and not self._live:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+            self.step()
+
+    def run_until_idle(self) -> None:
+        """Step until no request is live or waiting (for in-process use)."""
+        while not self.idle:
+            self.step()
+
+    def step(self) -> None:
+        """One engine step over all live sequences."""
+        self._drop_cancelled()
+        self._admit()
+        live = list(self._live)
+        if live:
+            drafting = [s for s in live if s.prefilled and s.num_draft > 0]
+            if drafting:
+                self._guarded(drafting, self._propose)
+            self._guarded([s for s in live if s in self._live], self._verify)
+        self._publish()
+
+    def _guarded(self, rows: list[_Sequence], hop) -> None:
+        """Run a hop; if it fails, the sequences in it get the error and the loop goes on."""
+        try:
+            hop(rows)
+        except Exception as exc:  # noqa: BLE001 - reported to the requests of this hop
+            for s in rows:
+                if s in self._live:
+                    self._fail(s, f"spec_decode: {type(exc).__name__}: {exc}")
+
+    def _drop_cancelled(self) -> None:
+        for s in list(self._live):
+            if s.handle.is_cancelled():
+                s.finish_reason = "cancelled"
+                self._finish(s, [], [])
+
+    def _admit(self) -> None:
+        while True:
+            with self._cond:
+                if not self._waiting or self.slots.num_free == 0:
+                    return
+                request, handle = self._waiting.popleft()
+            if handle.is_cancelled():
+                handle.send(self._cancelled_response(request), final=True)
+                continue
+            slot = self.slots.allocate()
+            self._live.append(_Sequence(request, handle, slot, list(request.input_ids),
+                                        accepted_per_position=[0] * request.num_draft_tokens))
+
+    # ---- the two hops --------------------------------------------------------------------------
+    def _propose(self, rows: list[_Sequence]) -> None:
+        B = len(rows)
+        T = max(len(s.absorb_tokens) for s in rows)
+        H = rows[0].absorb_hidden.shape[-1]
+        token_ids = torch.zeros(B, T, dtype=torch.int64)  # [B, T]
+        positions = torch.full((B, T), -1, dtype=torch.int64)  # [B, T]
+        hidden = torch.zeros(B, T, H, dtype=torch.float32)  # [B, T, H]
+        for b, s in enumerate(rows):
+            n = len(s.absorb_tokens)
+            token_ids[b, :n] = torch.tensor(s.absorb_tokens)
+            positions[b, :n] = torch.arange(s.absorb_start, s.absorb_start + n)
+            hidden[b, :n] = s.absorb_hidden
+        num_draft = torch.tensor([s.num_draft for s in rows], dtype=torch.int64)  # [B]
+        batch = DraftBatch(**_row_params(rows, [not s.drafting for s in rows]),
+                           token_ids=token_ids, hidden=hidden, positions=positions, num_draft=num_draft)
+        result = self._hops.mtp(batch)
+        self.metrics.hop()
+        for b, s in enumerate(rows):
+            k = int(num_draft[b])
+            s.drafting = True
+            s.drafts = result.draft_ids[b, :k].tolist()
+            s.draft_probs = None if result.draft_probs is None else result.draft_probs[b, :k]
+
+    def _verify(self, rows: list[_Sequence]) -> None:
+        windows, starts = [], []
+        for s in rows:
+            if s.prefilled:
+                windows.append([s.tokens[-1]] + s.drafts)
+                starts.append(len(s.tokens) - 1)
+            else:
+                windows.append(s.tokens)
+                starts.append(0)
+        B, T = len(rows), max(len(w) for w in windows)
+        token_ids = torch.zeros(B, T, dtype=torch.int64)  # [B, T]
+        positions = torch.full((B, T), -1, dtype=torch.int64)  # [B, T]
+        for b, (window, start) in enumerate(zip(windows, starts)):
+            token_ids[b, : len(window)] = torch.tensor(window)
+            positions[b, : len(window)] = torch.arange(start, start + len(window))
+        num_draft = torch.tensor([len(s.drafts) if s.prefilled else 0 for s in rows], dtype=torch.int64)  # [B]
+        draft_probs = None
+        sampled = [s for s in rows if s.prefilled and s.draft_probs is not None]
+        if sampled:
+            V = sampled[0].draft_probs.shape[-1]
+            draft_probs = torch.zeros(B, int(num_draft.max()), V, dtype=torch.float32)  # [B, K, V]
+            for b, s in enumerate(rows):
+                if s.prefilled and s.draft_probs is not None:
+                    draft_probs[b, : len(s.drafts)] = s.draft_probs
+        batch = TargetBatch(**_row_params(rows, [not s.prefilled for s in rows]),
+                            token_ids=token_ids, positions=positions, num_draft=num_draft, draft_probs=draft_probs)
+        result = self._hops.target(batch)
+        self.metrics.hop()
+        for b, s in enumerate(rows):
+            try:
+                self._accept(s, int(result.num_accepted[b]), result.output_ids[b], result.logprobs[b],
+                             result.hidden[b], starts[b])
+            except Exception as exc:  # noqa: BLE001 - this request alone fails
+                self._fail(s, f"spec_decode: {type(exc).__name__}: {exc}")
+
+    def _accept(self, s: _Sequence, num_accepted: int, output_ids: torch.Tensor, logprobs: torch.Tensor,
+                hidden: torch.Tensor, start: int) -> None:
+        """Record one target result for one sequence; output_ids [K+1], logprobs [K+1], hidden [T, H]."""
+        new_ids = output_ids[: num_accepted + 1].tolist()
+        new_logprobs = logprobs[: num_accepted + 1].tolist()
+        if s.prefilled:
+            k = len(s.drafts)
+            if k:
+                s.total_draft_tokens += k
+                s.total_accepted_draft_tokens += num_accepted
+                for position in range(num_accepted):
+                    s.accepted_per_position[position] += 1
+                self.metrics.draft(k, num_accepted)
+            # MTP pairs (t_{i+1}, h_i) for i = start .. start + num_accepted.
+            s.absorb_tokens = new_ids
+            s.absorb_hidden = hidden[: num_accepted + 1]  # [a+1, H]
+            s.absorb_start = start
+        else:
+            prompt = s.tokens
+            s.absorb_tokens = prompt[1:] + new_ids[:1]
+            s.absorb_hidden = hidden[: len(prompt)]  # [P, H]
+            s.absorb_start = 0
+            s.prefilled = True
+        s.drafts, s.draft_probs = [], None
+        step_ids, step_logprobs = self._emit(s, new_ids, new_logprobs)
+        self.metrics.emitted(len(step_ids))
+        if s.finish_reason:
+            self._finish(s, step_ids, step_logprobs)
+        elif s.request.stream:
+            s.handle.send(self._response(s, step_ids, step_logprobs), final=False)
+
+    def _emit(self, s: _Sequence, new_ids: list[int], new_logprobs: list[float]) -> tuple[list[int], list[float]]:
+        """Append tokens until EOS, a stop word or max_tokens; returns the ones appended."""
+        step_ids, step_logprobs = [], []
+        for token, logprob in zip(new_ids, new_logprobs):
+            if token == self._limits.eos_token_id:
+                s.finish_reason = "stop"
+                break
+            s.tokens.append(token)
+            s.output_ids.append(token)
+            s.logprobs.append(logprob)
+            step_ids.append(token)
+            step_logprobs.append(logprob)
+            if s.request.stop_words and self._cut_at_stop_word(s):
+                s.finish_reason = "stop"
+                break
+            if len(s.output_ids) == s.request.max_tokens:
+                s.finish_reason = "length"
+                break
+        return step_ids, step_logprobs
+
+    # ---- responses -----------------------------------------------------------------------------
+    def _cut_at_stop_word(self, s: _Sequence) -> bool:
+        text = self._tokenizer.decode(s.output_ids)
+        hits = [i for i in (text.find(w) for w in s.request.stop_words) if i >= 0]
+        if hits:
+            s.stop_text = text[: min(hits)]
+        return bool(hits)
+
+    def _text(self, s: _Sequence, final: bool) -> str:
+        """Text not sent yet; while streaming, hold back an incomplete character or stop-word prefix."""
+        if self._tokenizer is None:
+            return ""
+        text = s.stop_text if s.stop_text is not None else self._tokenizer.decode(s.output_ids)
+        if not final:
+            text = text.rstrip("\ufffd")
+            for word in s.request.stop_words:
+                for n in range(min(len(word) - 1, len(text)), 0, -1):
+                    if text.endswith(word[:n]):
+                        text = text[:-n]
+                        break
+        if not text.startswith(s.text_sent):
+            return ""
+        delta, s.text_sent = text[len(s.text_sent):], text
+        return delta
+
+    def _response(self, s: _Sequence, ids: list[int], logprobs: list[float], final: bool = False) -> GenerationResponse:
+        return GenerationResponse(
+            text_output=self._text(s, final),
+            output_ids=ids,
+            logprobs=logprobs if s.request.return_logprobs else None,
+            finish_reason=s.finish_reason if final else "",
+            num_input_tokens=len(s.request.input_ids),
+            num_output_tokens=len(s.output_ids),
+            total_draft_tokens=s.total_draft_tokens,
+            total_accepted_draft_tokens=s.total_accepted_draft_tokens,
+            accepted_per_position=list(s.accepted_per_position),
+        )
+
+    def _cancelled_response(self, request: GenerationRequest) -> GenerationResponse:
+        return GenerationResponse("", [], [] if request.return_logprobs else None, "cancelled",
+                                  len(request.input_ids), 0, 0, 0, [0] * request.num_draft_tokens)
+
+    def _finish(self, s: _Sequence, step_ids: list[int], step_logprobs: list[float]) -> None:
+        self._release(s)
+        if not s.request.stream:
+            step_ids, step_logprobs = s.output_ids, s.logprobs
+        response = self._response(s, step_ids, step_logprobs, final=True)
+        try:
+            s.handle.send(response, final=True)
+        except Exception:  # noqa: BLE001 - the client is gone; nothing is left to tell it
+            pass
+
+    def _fail(self, s: _Sequence, message: str) -> None:
+        if s in self._live:
+            self._release(s)
+        try:
+            s.handle.send_error(message)
+        except Exception:  # noqa: BLE001 - the client is gone; nothing is left to tell it
+            pass
+
+    def _release(self, s: _Sequence) -> None:
+        self._live.remove(s)
+        self.slots.release(s.slot)
+
+    def _publish(self) -> None:
+        self.metrics.occupancy(len(self._live), self.slots.num_free, len(self._waiting))

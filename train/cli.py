@@ -1,0 +1,52 @@
+"""`triton-mtp train`: train the bundled tiny DeepSeek-V3 + MTP checkpoint from a fixed seed."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from triton_mtp.train.loop import TrainSettings, measure_step_seconds, prepare_corpus, train
+
+_DEFAULTS = TrainSettings()
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("train", help="train the bundled tiny DeepSeek-V3 + MTP model",
+                              description=__doc__)
+    p.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--corpus-root", type=Path, default=None,
+                   help="standard library directory (default: this interpreter's)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="measure the step time, then run as many steps as fit (overrides --steps)")
+    for field in dataclasses.fields(TrainSettings):
+        default = getattr(_DEFAULTS, field.name)
+        kind = float if isinstance(default, float) else int
+        p.add_argument("--" + field.name.replace("_", "-"), type=kind, default=default)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = TrainSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainSettings)})
+    for name, value in dataclasses.asdict(settings).items():
+        if value is not None and value <= 0 and name != "seed":
+            raise SystemExit(f"triton-mtp train: --{name.replace('_', '-')} must be positive, got {value}")
+    corpus = prepare_corpus(settings, args.corpus_root)
+    print(json.dumps({"corpus": corpus.stats()}), flush=True)
+    if args.time_budget is not None:
+        seconds = measure_step_seconds(settings, corpus, args.device)
+        settings = dataclasses.replace(settings, steps=max(1, math.floor(0.95 * args.time_budget / seconds)))
+        print(json.dumps({"step_seconds": round(seconds, 4), "steps": settings.steps}), flush=True)
+    summary = train(settings, corpus, args.out, args.device, log=lambda line: print(line, flush=True))
+    try:
+        from triton_mtp.train.plot import plot_losses
+        plot_losses(args.out / "train_log.jsonl", args.out / "loss_curve.png")
+    except ImportError:
+        print("matplotlib is not installed: skipped loss_curve.png "
+              f"(later: python -m triton_mtp.train.plot {args.out}/train_log.jsonl loss_curve.png)")
+    print(json.dumps({"final": summary["final"], "steps": settings.steps}), flush=True)
+    return 0
