@@ -180,13 +180,15 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
 
 
 def _block_size(config_path: Path) -> tuple[int, int]:
+    """The FP8 weight_block_size of config.json's quantization_config (DeepSeek's 128 x 128 when absent)."""
     quant = json.loads(config_path.read_text()).get("quantization_config")
     if quant is None:
         return DEFAULT_BLOCK
-    if quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
+    method, fmt = (quant.get("quant_method"), quant.get("fmt", "e4m3")) if isinstance(quant, dict) else (quant, None)
+    if (method, fmt) != ("fp8", "e4m3"):
         raise CheckpointError(
-            f"{config_path}: unsupported quantization_config (quant_method {quant.get('quant_method')!r}, "
-            f"fmt {quant.get('fmt')!r}; expected 'fp8', 'e4m3')"
+            f"{config_path}: unsupported quantization_config "
+            f"(quant_method {method!r}, fmt {fmt!r}; expected 'fp8', 'e4m3')"
         )
     block = quant.get("weight_block_size", list(DEFAULT_BLOCK))
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):

@@ -110,6 +110,7 @@ def write_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     config = {k: v for k, v in cfg.items() if k != "quantization_config"}
     config.setdefault("num_nextn_predict_layers", 0)
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
     tensors = {}
     if fp8:
         quant = cfg.get("quantization_config") or {}
@@ -117,7 +118,6 @@ def write_checkpoint(
         config["quantization_config"] = {
             "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block), "activation_scheme": "dynamic",
         }
-        config["torch_dtype"] = str(dtype).removeprefix("torch.")
     for name, tensor in random_weights(cfg, seed).items():
         if fp8 and is_fp8_weight(name, tensor):
             tensors[name], tensors[name + "_scale_inv"] = quantize_fp8(tensor, block)

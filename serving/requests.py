@@ -6,11 +6,14 @@ bad field raises `RequestError` whose message starts with the field's name.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Mapping, Protocol
 
 import numpy as np
+from tokenizers import Tokenizer as HFTokenizer
 
 
 class RequestError(ValueError):
@@ -195,3 +198,52 @@ def parse_request(
             raise RequestError("stop_words", "the repository has no tokenizer.json to match text against")
         request.stop_words = words
     return request
+
+
+def int_parameter(params: Mapping[str, str], key: str, minimum: int) -> int:
+    """An integer config.pbtxt parameter, checked at load time (ValueError names the key)."""
+    if key not in params:
+        raise ValueError(f"config.pbtxt: parameter {key!r} is missing")
+    try:
+        value = int(params[key])
+    except ValueError:
+        raise ValueError(f"config.pbtxt: parameter {key!r} must be an integer, got {params[key]!r}") from None
+    if value < minimum:
+        raise ValueError(f"config.pbtxt: parameter {key!r} must be >= {minimum}, got {value}")
+    return value
+
+
+def engine_limits(params: Mapping[str, str]) -> EngineLimits:
+    """The `spec_decode` model's limits from its config.pbtxt parameters."""
+    num_mtp_layers = int_parameter(params, "num_mtp_layers", 0)
+    max_draft = int_parameter(params, "max_draft_tokens", 0) if num_mtp_layers else 0
+    limits = EngineLimits(
+        max_slots=int_parameter(params, "max_slots", 1),
+        max_seq_len=int_parameter(params, "max_seq_len", 2),
+        vocab_size=int_parameter(params, "vocab_size", 1),
+        max_draft_tokens=max_draft,
+        default_num_draft_tokens=int_parameter(params, "default_num_draft_tokens", 0),
+        eos_token_id=int_parameter(params, "eos_token_id", -1),
+        max_queue_size=int_parameter(params, "max_queue_size", 0),
+    )
+    if num_mtp_layers and limits.default_num_draft_tokens > max_draft:
+        raise ValueError(
+            f"config.pbtxt: parameter 'default_num_draft_tokens' ({limits.default_num_draft_tokens}) "
+            f"exceeds 'max_draft_tokens' ({max_draft})"
+        )
+    if not num_mtp_layers:
+        limits = dataclasses.replace(limits, default_num_draft_tokens=0)
+    return limits
+
+
+class TokenizerFile:
+    """A `tokenizer.json` (Hugging Face tokenizers) as the engine's Tokenizer."""
+
+    def __init__(self, path: str | Path) -> None:
+        self._tokenizer = HFTokenizer.from_file(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)

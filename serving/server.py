@@ -36,7 +36,7 @@ from typing import Sequence
 SHM_DEFAULT_BYTE_SIZE = 16 * 2**20  # per model instance; the backend's 1 MiB default is outgrown by logits
 SHM_GROWTH_BYTE_SIZE = 16 * 2**20
 STOP_GRACE_S = 30.0
-LOG_TAIL_LINES = 30
+LOG_ERROR_LINES = 30
 
 
 class TritonServerError(RuntimeError):
@@ -146,14 +146,12 @@ def interpreter_libdir() -> str | None:
     return None
 
 
-def check_repository(repository: Path) -> list[str]:
-    """Names of the models in `repository`; raise unless there is at least one with a config.pbtxt."""
+def check_repository(repository: Path) -> None:
+    """Raise unless `repository` holds at least one model directory with a config.pbtxt."""
     if not repository.is_dir():
         raise TritonServerError(f"model repository {repository} does not exist or is not a directory")
-    models = sorted(p.name for p in repository.iterdir() if (p / "config.pbtxt").is_file())
-    if not models:
+    if not any((model / "config.pbtxt").is_file() for model in repository.iterdir()):
         raise TritonServerError(f"model repository {repository} has no model directory with a config.pbtxt")
-    return models
 
 
 class TritonServer:
@@ -220,6 +218,8 @@ class TritonServer:
         if self.process is not None:
             raise TritonServerError("server already started")
         check_repository(self.repository)
+        if len(set(self.ports.values())) < len(self.ports):
+            raise TritonServerError(f"grpc, http and metrics ports must differ, got {self.ports}")
         for name, port in self.ports.items():
             check_port_free(port, name)
         install = find_tritonserver()
@@ -238,7 +238,7 @@ class TritonServer:
                 start_new_session=True,
             )
 
-    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+    def log_errors(self, lines: int = LOG_ERROR_LINES) -> str:
         """The server's error lines (glog `E...` and `error:`), or its last lines when it logged none."""
         if self.log_path is None or not self.log_path.exists():
             return ""
@@ -264,13 +264,14 @@ class TritonServer:
             if code is not None:
                 raise TritonServerError(
                     f"tritonserver exited with code {code} before becoming ready "
-                    f"(repository {self.repository}, log {self.log_path}):\n{self.log_tail()}"
+                    f"(repository {self.repository}, log {self.log_path}):\n{self.log_errors()}"
                 )
             if self.is_ready():
                 return
             time.sleep(0.2)
         raise TritonServerError(
-            f"tritonserver not ready after {timeout:.0f}s (log {self.log_path}):\n{self.log_tail()}"
+            f"tritonserver not ready after {timeout:.0f}s "
+            f"(repository {self.repository}, log {self.log_path}):\n{self.log_errors()}"
         )
 
     def stop(self, grace: float = STOP_GRACE_S) -> int | None:
@@ -330,7 +331,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"metrics  {server.metrics_url}", flush=True)
         print(f"log      {server.log_path}", flush=True)
         code = server.process.wait()
-        raise TritonServerError(f"tritonserver exited with code {code}:\n{server.log_tail()}")
+        raise TritonServerError(f"tritonserver exited with code {code}:\n{server.log_errors()}")
     except StopRequested:
         pass
     except TritonServerError as exc:

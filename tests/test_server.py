@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.request
 from pathlib import Path
 
@@ -18,14 +19,18 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from triton_mtp.serving.server import TritonServer, TritonServerError, free_ports
+from triton_mtp.serving.server import TritonServer, TritonServerError, find_tritonserver, free_ports
 
 MODELS = Path(__file__).parent / "models"
+SERVER_MODELS = ("add_one", "count_stream", "numpy_version")
 
 
 @pytest.fixture(scope="module")
-def server(triton_server_for) -> TritonServer:
-    return triton_server_for(MODELS)
+def server(triton_server_for, tmp_path_factory: pytest.TempPathFactory) -> TritonServer:
+    repository = tmp_path_factory.mktemp("server_models")
+    for name in SERVER_MODELS:
+        shutil.copytree(MODELS / name, repository / name)
+    return triton_server_for(repository)
 
 
 def stub_pids(repository: Path) -> list[int]:
@@ -117,6 +122,12 @@ def test_port_in_use_is_named_before_starting() -> None:
     assert server.process is None
 
 
+def test_missing_stub_for_this_python_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "version_info", types.SimpleNamespace(major=3, minor=99))
+    with pytest.raises(TritonServerError, match=r"no Python backend stub for Python 3\.99"):
+        find_tritonserver()
+
+
 @pytest.mark.parametrize("make", ["missing", "empty"])
 def test_repository_without_models_is_rejected(tmp_path: Path, make: str) -> None:
     repository = tmp_path / "repo"
@@ -178,8 +189,8 @@ def test_serve_prints_endpoints_serves_and_stops_cleanly_on_sigterm(tmp_path: Pa
         assert serve.wait(timeout=60) == 0
     finally:
         if serve.poll() is None:
-            serve.kill()
-            serve.wait()
+            serve.send_signal(signal.SIGTERM)
+            serve.wait(timeout=60)
     assert not stub_pids(repository)
 
 

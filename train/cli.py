@@ -22,7 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--corpus-root", type=Path, default=None,
                    help="standard library directory (default: this interpreter's)")
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
-                   help="measure the step time, then run as many steps as fit (overrides --steps)")
+                   help="measure the step time and stop at the last step that fits (caps --steps)")
     for field in dataclasses.fields(TrainSettings):
         default = getattr(_DEFAULTS, field.name)
         kind = float if isinstance(default, float) else int
@@ -39,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps({"corpus": corpus.stats()}), flush=True)
     if args.time_budget is not None:
         seconds = measure_step_seconds(settings, corpus, args.device)
-        settings = dataclasses.replace(settings, steps=max(1, math.floor(0.95 * args.time_budget / seconds)))
+        fit = max(1, math.floor(0.95 * args.time_budget / seconds))
+        settings = dataclasses.replace(settings, steps=min(settings.steps, fit))
         print(json.dumps({"step_seconds": round(seconds, 4), "steps": settings.steps}), flush=True)
     summary = train(settings, corpus, args.out, args.device, log=lambda line: print(line, flush=True))
     try:

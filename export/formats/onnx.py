@@ -8,6 +8,7 @@ and outputs are not copied through numpy.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,8 @@ from torch import nn
 from triton_mtp.export.formats import kv_cache_of
 
 EXTENSION = "onnx"
+
+T = torch.Tensor
 
 _NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64}
 _TORCH = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16, "tensor(int64)": torch.int64}
@@ -40,12 +43,16 @@ class _PoolAsIO(nn.Module):
 
 
 class _TargetPoolIO(_PoolAsIO):
-    def forward(self, token_ids, positions, slot_ids, kv_cache):  # noqa: D102 - names become ONNX input names
+    """Target step; the argument names become the ONNX input names."""
+
+    def forward(self, token_ids: T, positions: T, slot_ids: T, kv_cache: T) -> tuple[T, T, T]:
         return self._run((token_ids, positions, slot_ids), kv_cache)
 
 
 class _MTPPoolIO(_PoolAsIO):
-    def forward(self, token_ids, hidden, positions, slot_ids, kv_cache):  # noqa: D102
+    """MTP layer step; the argument names become the ONNX input names."""
+
+    def forward(self, token_ids: T, hidden: T, positions: T, slot_ids: T, kv_cache: T) -> tuple[T, T, T]:
         return self._run((token_ids, hidden, positions, slot_ids), kv_cache)
 
 
@@ -55,6 +62,16 @@ def save(step: nn.Module, example_inputs: tuple[torch.Tensor, ...], dynamic_shap
     if pool.dtype not in _NUMPY:
         raise ValueError(f"format onnx: dtype {str(pool.dtype).removeprefix('torch.')} is not supported (use fp32 or fp16)")
     wrapper = _MTPPoolIO(step) if len(example_inputs) == 4 else _TargetPoolIO(step)
+    optimizer_log = logging.getLogger("onnxscript.optimizer")
+    level = optimizer_log.level
+    optimizer_log.setLevel(logging.ERROR)  # it warns once per unfoldable Split node
+    try:
+        _export(wrapper, example_inputs, pool, dynamic_shapes, path)
+    finally:
+        optimizer_log.setLevel(level)
+
+
+def _export(wrapper: nn.Module, example_inputs: tuple, pool: torch.Tensor, dynamic_shapes: tuple, path: Path) -> None:
     with torch.no_grad():
         torch.onnx.export(
             wrapper,

@@ -1,0 +1,23 @@
+"""Triton adapter of the `mtp` model: absorb accepted tokens and draft for all live sequences per request."""
+import numpy as np
+
+from triton_mtp.export.graphs import load_step
+from triton_mtp.serving import triton_io
+from triton_mtp.serving.requests import int_parameter
+from triton_mtp.serving.workers import DraftBatch, DraftWorker
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params, self.device, dtype, max_slots = triton_io.step_model_settings(args)
+        num_layers = int_parameter(params, "num_mtp_layers", 1)
+        runner = load_step(triton_io.artifact_dir(args), params["format"], self.device)
+        self.worker = DraftWorker(runner, num_layers, max_slots, self.device, dtype)
+
+    def execute(self, requests):
+        return [triton_io.serve(request, self._propose) for request in requests]
+
+    def _propose(self, arrays):
+        result = self.worker.propose(DraftBatch.from_arrays(arrays, self.device)).to_arrays()
+        result.setdefault("draft_probs", np.zeros((0, 0, 0), dtype=np.float32))  # argmax drafts: no q
+        return result

@@ -1,0 +1,156 @@
+"""Everything that touches `triton_python_backend_utils`: tensors in and out, BLS hops, responses
+and metrics. The engine modules stay importable (and testable) without a server.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+
+from triton_mtp.export.formats import DTYPES, FORMATS
+from triton_mtp.serving.metrics import COUNTERS, GAUGES
+from triton_mtp.serving.requests import (
+    EngineLimits, GenerationResponse, QueueFull, RequestError, Tokenizer, int_parameter, parse_request,
+)
+from triton_mtp.serving.workers import DraftBatch, DraftResult, TargetBatch, TargetResult
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def model_parameters(args: dict) -> dict[str, str]:
+    """config.pbtxt `parameters` of the model being initialized, as strings."""
+    config = json.loads(args["model_config"])
+    return {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
+
+
+def read_inputs(request) -> dict[str, np.ndarray]:
+    return {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
+
+
+def _response(arrays: dict[str, np.ndarray]):
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(name, a) for name, a in arrays.items()])
+
+
+def _error(message: str, code):
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+
+
+def serve(request, compute: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]):
+    """Response for one request of a non-decoupled model; an exception becomes its error response."""
+    try:
+        return _response(compute(read_inputs(request)))
+    except ValueError as exc:
+        return _error(str(exc), pb_utils.TritonError.INVALID_ARG)
+    except Exception as exc:  # noqa: BLE001 - reported to this request only
+        return _error(f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
+
+
+class ResponseSender:
+    """A decoupled request's response sender, as the scheduler's ResponseHandle."""
+
+    def __init__(self, request) -> None:
+        self._request = request
+        self._sender = request.get_response_sender()
+
+    def send(self, response: GenerationResponse, final: bool) -> None:
+        self._sender.send(_response(response.to_arrays()), flags=FINAL if final else 0)
+
+    def send_error(self, message: str) -> None:
+        self._sender.send(_error(message, pb_utils.TritonError.INTERNAL), flags=FINAL)
+
+    def reject(self, message: str, code) -> None:
+        self._sender.send(_error(message, code), flags=FINAL)
+
+    def is_cancelled(self) -> bool:
+        return self._request.is_cancelled()
+
+
+def submit_all(requests: list, limits: EngineLimits, tokenizer: Tokenizer | None, submit) -> None:
+    """Validate and enqueue each request of a decoupled `execute`; bad ones get their error now."""
+    for request in requests:
+        sender = ResponseSender(request)
+        try:
+            submit(parse_request(read_inputs(request), limits, tokenizer), sender)
+        except RequestError as exc:
+            sender.reject(str(exc), pb_utils.TritonError.INVALID_ARG)
+        except QueueFull as exc:
+            sender.reject(str(exc), pb_utils.TritonError.UNAVAILABLE)
+        except Exception as exc:  # noqa: BLE001 - reported to this request only
+            sender.reject(f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
+
+
+def _exec(model: str, arrays: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
+    inputs = [pb_utils.Tensor(name, np.ascontiguousarray(a)) for name, a in arrays.items()]
+    response = pb_utils.InferenceRequest(model_name=model, requested_output_names=outputs, inputs=inputs).exec()
+    if response.has_error():
+        raise RuntimeError(f"{model}: {response.error().message()}")
+    return {name: pb_utils.get_output_tensor_by_name(response, name).as_numpy() for name in outputs}
+
+
+class BlsHops:
+    """The scheduler's two hops as BLS calls into the `target` and `mtp` models."""
+
+    def target(self, batch: TargetBatch) -> TargetResult:
+        return TargetResult.from_arrays(_exec("target", batch.to_arrays(), ["output_ids", "num_accepted", "logprobs", "hidden"]))
+
+    def mtp(self, batch: DraftBatch) -> DraftResult:
+        arrays = _exec("mtp", batch.to_arrays(), ["draft_ids", "draft_probs"])
+        if arrays["draft_probs"].size == 0:
+            del arrays["draft_probs"]
+        return DraftResult.from_arrays(arrays)
+
+
+class TritonMetricSink:
+    """EngineMetrics mirrored to Triton's metrics endpoint with `pb_utils.MetricFamily`."""
+
+    def __init__(self) -> None:
+        self._families = {
+            name: pb_utils.MetricFamily(name=name, description=text, kind=pb_utils.MetricFamily.COUNTER)
+            for name, text in COUNTERS.items()
+        }
+        self._families.update({
+            name: pb_utils.MetricFamily(name=name, description=text, kind=pb_utils.MetricFamily.GAUGE)
+            for name, text in GAUGES.items()
+        })
+        self._metrics: dict[tuple, object] = {}
+
+    def _metric(self, name: str, labels: dict[str, str]):
+        key = (name, tuple(sorted(labels.items())))
+        if key not in self._metrics:
+            self._metrics[key] = self._families[name].Metric(labels=labels)
+        return self._metrics[key]
+
+    def increment(self, name: str, value: int, labels: dict[str, str]) -> None:
+        self._metric(name, labels).increment(value)
+
+    def set(self, name: str, value: int, labels: dict[str, str]) -> None:
+        self._metric(name, labels).set(value)
+
+
+def step_model_settings(args: dict) -> tuple[dict[str, str], torch.device, torch.dtype, int]:
+    """(parameters, device, dtype, max_slots) of a `target` / `mtp` model, checked at load time."""
+    params = model_parameters(args)
+    for key in ("format", "device", "dtype"):
+        if key not in params:
+            raise ValueError(f"config.pbtxt: parameter {key!r} is missing")
+    if params["format"] not in FORMATS:
+        raise ValueError(f"config.pbtxt: parameter 'format' must be one of {', '.join(FORMATS)}, got {params['format']!r}")
+    if params["dtype"] not in DTYPES:
+        raise ValueError(f"config.pbtxt: parameter 'dtype' must be one of {', '.join(DTYPES)}, got {params['dtype']!r}")
+    device = params["device"]
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"config.pbtxt: parameter 'device' must be cpu or cuda, got {device!r}")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("config.pbtxt: parameter 'device' is cuda but this host has no CUDA device")
+        device = f"cuda:{args.get('model_instance_device_id', 0)}"
+    int_parameter(params, "max_seq_len", 2)
+    return params, torch.device(device), DTYPES[params["dtype"]], int_parameter(params, "max_slots", 1)
+
+
+def artifact_dir(args: dict) -> Path:
+    return Path(args["model_repository"]) / str(args["model_version"])
