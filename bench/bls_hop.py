@@ -79,7 +79,8 @@ class TritonPythonModel:
 
 
 def write_repository(root: Path) -> None:
-    for name, config, model in (("hop_callee", CALLEE_CONFIG, CALLEE_MODEL), ("hop_caller", CALLER_CONFIG, CALLER_MODEL)):
+    models = (("hop_callee", CALLEE_CONFIG, CALLEE_MODEL), ("hop_caller", CALLER_CONFIG, CALLER_MODEL))
+    for name, config, model in models:
         (root / name / "1").mkdir(parents=True)
         (root / name / "config.pbtxt").write_text(config)
         (root / name / "1" / "model.py").write_text(model)

@@ -9,11 +9,11 @@ shim=$(mktemp -d)
 mkdir "$shim/triton_mtp"
 for f in "$repo"/triton_mtp/*.py; do ln -s "$f" "$shim/triton_mtp/"; done
 for pkg in export serving client train model_repository; do ln -s "$repo/$pkg" "$shim/triton_mtp/$pkg"; done
-export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"  # -P below: the checkout root must not shadow the shim
 python - <<'PY'
 import sys, torch, transformers, tokenizers
 print("python", sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__,
       "tokenizers", tokenizers.__version__, "cuda", torch.cuda.is_available(), flush=True)
 PY
-python -m triton_mtp.cli train --out "$OUT/tiny-dsv3-mtp" --device cuda \
+python -P -m triton_mtp.cli train --out "$OUT/tiny-dsv3-mtp" --device cuda \
     --steps 2400 --batch-size 32 --lr 2e-3 --eval-every 200 --time-budget 360 "$@" 2>&1 | tee "$OUT/train_stdout.log"

@@ -39,12 +39,14 @@ def export_graphs(
     mtp_dir: str | Path | None = None,
     checkpoint_dir: str | Path | None = None,
     dtype: str | None = None,
+    eager_compile: bool = True,
     on_saved: Callable[[str], None] | None = None,
 ) -> dict[str, Path]:
     """Write `target.<ext>` into out_dir and `mtp_<i>.<ext>` into mtp_dir (default out_dir).
 
     Graphs take any batch up to the pool's slot count and any number of tokens up to its
-    `max_seq_len`. The eager format needs `checkpoint_dir` and `dtype` (a key of DTYPES).
+    `max_seq_len`. The eager format needs `checkpoint_dir` and `dtype` (a key of DTYPES);
+    `eager_compile` records whether its load applies `torch.compile`.
     Returns {"target": path, "mtp_0": path, ...}; `on_saved(name)` is called after each file.
     """
     module = format_module(fmt)
@@ -52,7 +54,7 @@ def export_graphs(
     if fmt == "eager":
         if checkpoint_dir is None or dtype not in DTYPES:
             raise ValueError("format eager: checkpoint_dir and dtype (fp32, bf16 or fp16) are required")
-        options = {"checkpoint_dir": Path(checkpoint_dir), "dtype": dtype}
+        options = {"checkpoint_dir": Path(checkpoint_dir), "dtype": dtype, "compile": eager_compile}
     out_dir = Path(out_dir)
     mtp_dir = Path(mtp_dir) if mtp_dir is not None else out_dir
     steps: dict[str, tuple[nn.Module, Path]] = {"target": (target, out_dir)}
@@ -138,11 +140,14 @@ class MTPRunner(StepRunner):
         return self._run(self.graphs[layer % len(self.graphs)], (token_ids, hidden, positions, slot_ids))
 
 
-def load_step(path: str | Path, fmt: str, device: str | torch.device = "cpu", *, compile: bool = True) -> StepRunner:
+def load_step(
+    path: str | Path, fmt: str, device: str | torch.device = "cpu", *, compile: bool | None = None
+) -> StepRunner:
     """Load `target.<ext>`, or the MTP layers (`mtp_<i>.<ext>`, or a directory holding only those).
 
     A directory holding `target.<ext>` and no MTP files loads the target. An MTP file loads all its
-    `mtp_<i>` siblings, so `layer` picks among them. `compile` applies to the eager format only.
+    `mtp_<i>` siblings, so `layer` picks among them. `compile` (eager format only) overrides the
+    choice recorded at export.
     """
     module = format_module(fmt)
     device = torch.device(device)

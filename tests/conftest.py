@@ -46,3 +46,38 @@ def triton_server_for() -> Iterator[Callable[..., TritonServer]]:
     yield start
     for server in servers.values():
         server.stop()
+
+
+def sharpen_for_drafting(checkpoint_dir: Path, scale: float = 0.05) -> None:
+    """Rewrite a random checkpoint so its MTP layers predict the target well but not perfectly.
+
+    Shrinking every attention / MLP output projection makes target and MTP close to a bigram model
+    of the (shared) embedding and head; an identity `eh_proj` passes the MTP's token embedding
+    through. Drafts are then accepted often and rejected sometimes: both paths get exercised.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tiny_config import tiny_config
+
+    path = checkpoint_dir / "model.safetensors"
+    weights = load_file(path)
+    hidden = tiny_config()["hidden_size"]
+    for name, tensor in weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = tensor * scale
+        elif name.endswith("eh_proj.weight"):
+            weights[name] = torch.cat([torch.eye(hidden), tensor[:, hidden:] * scale], dim=1)  # [H, 2H]
+    save_file(weights, path, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="session")
+def drafting_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny two-MTP-layer checkpoint of tests/tiny_config.py, sharpened for drafting."""
+    from tiny_config import tiny_config
+
+    from triton_mtp.export.synthetic import write_checkpoint
+
+    path = write_checkpoint(tmp_path_factory.mktemp("drafting_checkpoint"), tiny_config(), seed=0)
+    sharpen_for_drafting(path)
+    return path

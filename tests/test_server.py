@@ -176,7 +176,7 @@ def test_serve_prints_endpoints_serves_and_stops_cleanly_on_sigterm(tmp_path: Pa
                 printed.append(lines.get(timeout=1))
             except queue.Empty:
                 pass
-        endpoints = dict(line.split(maxsplit=1) for line in printed if line.split()[0] in ("grpc", "http", "metrics"))
+        endpoints = dict(line.split(maxsplit=1) for line in printed if line.startswith(("grpc ", "http ", "metrics ")))
         assert endpoints["grpc"].strip() == f"127.0.0.1:{grpc_port}"
         assert endpoints["http"].strip() == f"http://127.0.0.1:{http_port}"
         assert endpoints["metrics"].strip() == f"http://127.0.0.1:{metrics_port}/metrics"
@@ -201,4 +201,5 @@ def test_serve_reports_a_bad_repository_and_exits_1(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=120,
     )
     assert done.returncode == 1
-    assert done.stderr.strip() == f"triton-mtp serve: error: model repository {missing} does not exist or is not a directory"
+    expected = f"triton-mtp serve: error: model repository {missing} does not exist or is not a directory"
+    assert done.stderr.strip() == expected

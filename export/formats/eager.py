@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.export.formats import DTYPES, kv_cache_of, set_buffer
 
 EXTENSION = "json"
@@ -25,8 +26,12 @@ def save(
     *,
     checkpoint_dir: Path,
     dtype: str,
+    compile: bool = True,
 ) -> None:
-    """Write the reference; `step` is the target or an `MTPLayerStep` (its `layer` is recorded)."""
+    """Write the reference; `step` is the target or an `MTPLayerStep` (its `layer` is recorded).
+
+    `compile` is the default of `load`: whether the rebuilt steps go through `torch.compile`.
+    """
     _, pool = kv_cache_of(step)
     _, max_slots, seq_plus_one, _ = pool.shape
     reference = {
@@ -36,6 +41,7 @@ def save(
         "max_seq_len": seq_plus_one - 1,
         "step": "mtp" if hasattr(step, "layer") else "target",
         "layer": getattr(step, "layer", None),
+        "compile": compile,
     }
     path.write_text(json.dumps(reference, indent=2) + "\n")
 
@@ -59,19 +65,21 @@ class EagerGraph:
             return self.step(*inputs)
 
 
-def load(paths: list[Path], device: torch.device, compile: bool = True) -> list[EagerGraph]:
-    """Build the model from the checkpoint the files name (they must name the same one)."""
-    from triton_mtp.export.checkpoint import load_checkpoint
+def load(paths: list[Path], device: torch.device, compile: bool | None = None) -> list[EagerGraph]:
+    """Build the model from the checkpoint the files name (they must name the same one).
 
+    `compile` overrides the choice recorded at export.
+    """
     references = [json.loads(Path(p).read_text()) for p in paths]
-    keys = ("checkpoint", "dtype", "max_slots", "max_seq_len")
+    keys = ("checkpoint", "dtype", "max_slots", "max_seq_len", "compile")
     first = {k: references[0][k] for k in keys}
     for path, ref in zip(paths, references):
         if {k: ref.get(k) for k in keys} != first:
             raise ValueError(f"{path}: names a different checkpoint or sizes than {paths[0]}")
     _, target, mtp = load_checkpoint(
-        first["checkpoint"], DTYPES[first["dtype"]], device, first["max_slots"], first["max_seq_len"]
+        first["checkpoint"], DTYPES[first["dtype"]], device, first["max_slots"], first["max_seq_len"], progress=False
     )
+    compile = first["compile"] if compile is None else compile
     graphs = []
     for path, ref in zip(paths, references):
         if ref["step"] == "target":

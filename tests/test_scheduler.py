@@ -1,0 +1,282 @@
+"""The continuous-batching engine in-process: the scheduler over TargetWorker / DraftWorker on the
+eager tiny DeepSeek-V3 (two MTP layers), with the same hop payloads Triton carries."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from triton_mtp.export.checkpoint import load_checkpoint
+from triton_mtp.serving.requests import (
+    EngineLimits, GenerationRequest, GenerationResponse, QueueFull, RequestError, engine_limits, parse_request,
+)
+from triton_mtp.serving.scheduler import Scheduler
+from triton_mtp.serving.workers import DraftWorker, InProcessHops, TargetWorker
+
+MAX_SLOTS = 16
+MAX_SEQ_LEN = 64
+VOCAB = 128
+NUM_MTP_LAYERS = 2
+
+
+class Collect:
+    """A response handle that keeps everything it is sent; `cancel_after` responses, it is cancelled."""
+
+    def __init__(self, cancel_after: int | None = None) -> None:
+        self.responses: list[tuple[GenerationResponse, bool]] = []
+        self.error: str | None = None
+        self.cancel_after = cancel_after
+
+    def send(self, response: GenerationResponse, final: bool) -> None:
+        self.responses.append((response, final))
+
+    def send_error(self, message: str) -> None:
+        self.error = message
+
+    def is_cancelled(self) -> bool:
+        return self.cancel_after is not None and len(self.responses) >= self.cancel_after
+
+    @property
+    def final(self) -> GenerationResponse:
+        assert self.error is None, self.error
+        assert self.responses and self.responses[-1][1], "no final response"
+        return self.responses[-1][0]
+
+
+@pytest.fixture(scope="module")
+def models(drafting_checkpoint: Path):
+    _, target, mtp = load_checkpoint(drafting_checkpoint, max_slots=MAX_SLOTS, max_seq_len=MAX_SEQ_LEN, progress=False)
+    return target, mtp
+
+
+def limits(**overrides) -> EngineLimits:
+    values = dict(max_slots=MAX_SLOTS, max_seq_len=MAX_SEQ_LEN, vocab_size=VOCAB, max_draft_tokens=6,
+                  default_num_draft_tokens=0, eos_token_id=-1, max_queue_size=1000)
+    return EngineLimits(**{**values, **overrides})
+
+
+def scheduler(models, **overrides) -> Scheduler:
+    target, mtp = models
+    hops = InProcessHops(TargetWorker(target, MAX_SLOTS), DraftWorker(mtp, NUM_MTP_LAYERS, MAX_SLOTS))
+    return Scheduler(hops, limits(**overrides))
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 12, (count,), generator=gen).tolist()
+    return [torch.randint(2, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+def run(engine: Scheduler, requests: list[GenerationRequest]) -> list[Collect]:
+    handles = [Collect() for _ in requests]
+    for request, handle in zip(requests, handles):
+        engine.submit(request, handle)
+    engine.run_until_idle()
+    return handles
+
+
+def test_greedy_speculation_emits_exactly_the_plain_greedy_tokens(models):
+    batch = prompts(12)
+    plain = [h.final.output_ids for h in run(scheduler(models), [GenerationRequest(p, 16) for p in batch])]
+    for k in (1, 2, 3, 4):  # 3 and 4 exceed the two MTP layers: layers are reused cyclically
+        engine = scheduler(models)
+        handles = run(engine, [GenerationRequest(p, 16, num_draft_tokens=k) for p in batch])
+        assert [h.final.output_ids for h in handles] == plain, f"k={k}"
+        accepted = sum(h.final.total_accepted_draft_tokens for h in handles)
+        drafted = sum(h.final.total_draft_tokens for h in handles)
+        assert 0 < accepted < drafted, f"k={k}: drafts must be both accepted and rejected to test anything"
+        assert engine.metrics.counters["spec_decode_num_accepted_tokens"] == accepted
+        assert engine.slots.num_free == MAX_SLOTS
+
+
+def test_accepting_drafts_saves_hops(models):
+    batch = prompts(4, seed=1)
+    plain, spec = scheduler(models), scheduler(models)
+    run(plain, [GenerationRequest(p, 24) for p in batch])
+    run(spec, [GenerationRequest(p, 24, num_draft_tokens=3) for p in batch])
+    assert spec.metrics.hops_per_token < plain.metrics.hops_per_token
+
+
+def test_accepted_per_position_counts_the_accepted_prefix(models):
+    (handle,) = run(scheduler(models), [GenerationRequest(prompts(1, seed=2)[0], 20, num_draft_tokens=3)])
+    per_position = handle.final.accepted_per_position
+    assert len(per_position) == 3
+    assert per_position[0] >= per_position[1] >= per_position[2]
+    assert sum(per_position) == handle.final.total_accepted_draft_tokens
+
+
+def test_sampled_output_repeats_with_its_seed_whatever_shares_the_batch(models):
+    request = GenerationRequest(prompts(1, seed=3)[0], 12, temperature=0.8, top_k=30, seed=1234, num_draft_tokens=2)
+    (alone,) = run(scheduler(models), [request])
+    others = [GenerationRequest(p, 10, temperature=1.0, seed=i, num_draft_tokens=i % 4)
+              for i, p in enumerate(prompts(5, seed=4))]
+    crowded = run(scheduler(models), others[:2] + [request] + others[2:])
+    assert crowded[2].final.output_ids == alone.final.output_ids
+    (other_seed,) = run(scheduler(models), [GenerationRequest(**{**request.__dict__, "seed": 99})])
+    assert other_seed.final.output_ids != alone.final.output_ids
+
+
+def test_streaming_sends_each_step_then_a_final_response_with_totals(models):
+    prompt = prompts(1, seed=5)[0]
+    (whole,) = run(scheduler(models), [GenerationRequest(prompt, 15, num_draft_tokens=2, return_logprobs=True)])
+    (streamed,) = run(scheduler(models), [GenerationRequest(prompt, 15, num_draft_tokens=2, return_logprobs=True,
+                                                            stream=True)])
+    finals = [final for _, final in streamed.responses]
+    assert finals == [False] * (len(finals) - 1) + [True]
+    assert sum((r.output_ids for r, _ in streamed.responses), []) == whole.final.output_ids
+    assert np.allclose(sum((r.logprobs for r, _ in streamed.responses), []), whole.final.logprobs, atol=1e-5)
+    assert [r.finish_reason for r, _ in streamed.responses[:-1]] == [""] * (len(finals) - 1)
+    assert streamed.final.finish_reason == "length"
+    assert streamed.final.num_output_tokens == 15
+    assert streamed.final.total_draft_tokens == whole.final.total_draft_tokens
+
+
+def test_eos_stops_the_sequence_before_max_tokens(models):
+    prompt = prompts(1, seed=6)[0]
+    (free_run,) = run(scheduler(models), [GenerationRequest(prompt, 12, num_draft_tokens=2)])
+    ids = free_run.final.output_ids
+    eos = ids[5]
+    (stopped,) = run(scheduler(models, eos_token_id=eos), [GenerationRequest(prompt, 12, num_draft_tokens=2)])
+    assert stopped.final.finish_reason == "stop"
+    assert stopped.final.output_ids == ids[: ids.index(eos)]
+
+
+def test_cancelled_request_is_dropped_and_its_slot_freed(models):
+    engine = scheduler(models)
+    cancelled, kept = Collect(cancel_after=2), Collect()
+    prompt = prompts(1, seed=7)[0]
+    engine.submit(GenerationRequest(prompt, 40, stream=True), cancelled)
+    engine.submit(GenerationRequest(prompt, 10), kept)
+    engine.run_until_idle()
+    assert cancelled.final.finish_reason == "cancelled"
+    assert cancelled.final.num_output_tokens < 40
+    assert kept.final.finish_reason == "length"
+    assert engine.slots.num_free == MAX_SLOTS
+
+
+def test_requests_beyond_the_queue_bound_are_refused(models):
+    engine = scheduler(models, max_queue_size=2)
+    for _ in range(MAX_SLOTS + 2):
+        engine.submit(GenerationRequest([5, 6], 3), Collect())
+    with pytest.raises(QueueFull, match="slots are busy"):
+        engine.submit(GenerationRequest([5, 6], 3), Collect())
+    engine.run_until_idle()
+    engine.submit(GenerationRequest([5, 6], 3), Collect())
+
+
+def test_a_failing_hop_fails_its_requests_and_the_loop_goes_on(models):
+    engine = scheduler(models)
+    real_target = engine._hops.target
+    calls = []
+
+    def flaky_target(batch):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("target: out of memory")
+        return real_target(batch)
+
+    engine._hops.target = flaky_target
+    (failed,) = run(engine, [GenerationRequest([5, 6, 7], 8)])
+    assert failed.error == "spec_decode: RuntimeError: target: out of memory"
+    assert engine.slots.num_free == MAX_SLOTS
+    (ok,) = run(engine, [GenerationRequest([5, 6, 7], 8)])
+    assert ok.final.num_output_tokens == 8
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test of observed counts against probabilities (bins expecting < 5 merged)."""
+    expected = probs * counts.sum()
+    small = expected < 5
+    observed = torch.cat([counts[~small], counts[small].sum().view(1)])
+    expected = torch.cat([expected[~small], expected[small].sum().view(1)])
+    keep = expected > 0
+    statistic = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    dof = torch.tensor(float(keep.sum() - 1))
+    return float(torch.special.gammaincc(dof / 2, statistic / 2))
+
+
+@pytest.mark.parametrize("num_draft_tokens", [0, 2])
+def test_sampled_tokens_follow_the_target_distribution(models, num_draft_tokens):
+    """Tokens 1-3 over many seeds against their exact marginals under the processed target.
+
+    With k = 2, token 1 comes from prefill, tokens 2-3 from accepted, recovered or bonus tokens.
+    """
+    prompt, samples, temperature, top_k = [7, 19, 3], 1500, 1.3, 6
+    marginals = _exact_marginals(models[0], prompt, 3, temperature, top_k)  # [3, V]
+    engine = scheduler(models)
+    handles = run(engine, [GenerationRequest(prompt, 4, temperature=temperature, top_k=top_k, seed=seed,
+                                             num_draft_tokens=num_draft_tokens) for seed in range(samples)])
+    outputs = torch.tensor([h.final.output_ids for h in handles])  # [N, 4]
+    for i in range(3):
+        counts = torch.bincount(outputs[:, i], minlength=VOCAB).float()  # [V]
+        assert chi_square_p_value(counts, marginals[i]) > 1e-3, f"token {i + 1}"
+    if num_draft_tokens:
+        assert engine.metrics.counters["spec_decode_num_accepted_tokens"] > samples // 2
+
+
+def _exact_marginals(target, prompt: list[int], steps: int, temperature: float, top_k: int) -> torch.Tensor:
+    """[steps, V]: P(token i = v), summing over every continuation inside the top-k supports."""
+    slot = torch.tensor([MAX_SLOTS - 1])
+    prefixes, marginals = {(): 1.0}, torch.zeros(steps, VOCAB)
+    with torch.no_grad():
+        for i in range(steps):
+            longer = {}
+            for prefix, mass in prefixes.items():
+                ids = torch.tensor([prompt + list(prefix)])  # [1, T]
+                logits, _ = target(ids, torch.arange(ids.shape[1]).view(1, -1), slot)  # [1, T, V]
+                p = _processed(logits[0, -1], temperature, top_k)  # [V]
+                marginals[i] += mass * p
+                longer.update({prefix + (t,): mass * float(p[t]) for t in p.nonzero().squeeze(1).tolist()})
+            prefixes = longer
+    return marginals
+
+
+def _processed(logits: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
+    """The target distribution at one position after temperature and top-k."""
+    scaled = logits / temperature  # [V]
+    kth = scaled.topk(top_k).values[-1]
+    return scaled.masked_fill(scaled < kth, float("-inf")).softmax(-1)  # [V]
+
+
+BAD_INPUTS = [
+    ({"max_tokens": [4]}, "text_input"),
+    ({"input_ids": [5], "text_input": [b"hi"], "max_tokens": [4]}, "text_input"),
+    ({"input_ids": [], "max_tokens": [4]}, "input_ids"),
+    ({"input_ids": [5] * 60, "max_tokens": [5]}, "max_tokens"),
+    ({"input_ids": [5], "max_tokens": [0]}, "max_tokens"),
+    ({"input_ids": [5], "max_tokens": [4], "temperature": [-0.5]}, "temperature"),
+    ({"input_ids": [5], "max_tokens": [4], "temperature": [float("nan")]}, "temperature"),
+    ({"input_ids": [5], "max_tokens": [4], "top_p": [0.0]}, "top_p"),
+    ({"input_ids": [5], "max_tokens": [4], "top_p": [1.5]}, "top_p"),
+    ({"input_ids": [5], "max_tokens": [4], "top_k": [-1]}, "top_k"),
+    ({"input_ids": [5], "max_tokens": [4], "num_draft_tokens": [-1]}, "num_draft_tokens"),
+    ({"input_ids": [5], "max_tokens": [4], "num_draft_tokens": [7]}, "num_draft_tokens"),
+    ({"input_ids": [5, VOCAB], "max_tokens": [4]}, "input_ids"),
+    ({"input_ids": [5], "max_tokens": [4, 4]}, "max_tokens"),
+    ({"input_ids": [5], "max_tokens": [4.0]}, "max_tokens"),
+]
+
+
+def _arrays(fields: dict) -> dict[str, np.ndarray]:
+    dtypes = {"input_ids": np.int32, "max_tokens": None, "temperature": np.float32, "top_p": np.float32,
+              "top_k": np.int32, "num_draft_tokens": np.int32, "text_input": np.object_}
+    return {k: np.array(v, dtype=dtypes.get(k)) if dtypes.get(k) else np.array(v) for k, v in fields.items()}
+
+
+@pytest.mark.parametrize("fields, field", BAD_INPUTS)
+def test_bad_request_names_the_field(fields, field):
+    with pytest.raises(RequestError) as error:
+        parse_request(_arrays(fields), limits(), tokenizer=None)
+    assert error.value.field == field
+    assert str(error.value).startswith(f"{field}: ")
+
+
+def test_unfilled_config_parameter_is_named_at_load_time():
+    params = {"max_slots": "4", "max_seq_len": "64", "vocab_size": "128", "max_draft_tokens": "4",
+              "num_mtp_layers": "2", "default_num_draft_tokens": "2", "eos_token_id": "1",
+              "max_queue_size": "${max_queue_size}"}
+    with pytest.raises(ValueError, match="parameter 'max_queue_size' must be an integer"):
+        engine_limits(params)
+    assert engine_limits({**params, "max_queue_size": "8"}).max_queue_size == 8
