@@ -53,7 +53,7 @@ def models(drafting_checkpoint: Path):
 
 def limits(**overrides) -> EngineLimits:
     values = dict(max_slots=MAX_SLOTS, max_seq_len=MAX_SEQ_LEN, vocab_size=VOCAB, max_draft_tokens=6,
-                  default_num_draft_tokens=0, eos_token_id=-1, max_queue_size=1000)
+                  default_num_draft_tokens=0, eos_token_id=-1, max_queue_size=2000)
     return EngineLimits(**{**values, **overrides})
 
 

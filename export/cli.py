@@ -1,0 +1,64 @@
+"""`triton-mtp export`: checkpoint directory -> Triton model repository (export/repository.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from triton_mtp.export.graphs import DTYPES, FORMATS
+from triton_mtp.export.repository import DEVICES, write_repository
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "export",
+        help="export a DeepSeek-V3 checkpoint (with MTP layers) into a Triton model repository",
+        description="Load a Hugging Face DeepSeek-V3 checkpoint, export the target and MTP step graphs, "
+        "check them against eager, and write the target / mtp / spec_decode models.",
+    )
+    parser.add_argument("--checkpoint", required=True, metavar="DIR", help="config.json + *.safetensors (+ tokenizer.json)")
+    parser.add_argument("--repository", required=True, metavar="DIR", help="model repository to write")
+    parser.add_argument("--format", choices=FORMATS, default="torchscript", help="artifact format (default: torchscript)")
+    parser.add_argument("--device", choices=DEVICES, default="cpu", help="device the models run on (default: cpu)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="weight dtype (default: fp32)")
+    parser.add_argument("--max-slots", type=_at_least(1), default=4, metavar="N",
+                        help="sequences served at once: KV pool slots (default: 4)")
+    parser.add_argument("--max-seq-len", type=_at_least(4), default=None, metavar="N",
+                        help="tokens per sequence, prompt included (default: the config's max_position_embeddings)")
+    parser.add_argument("--max-draft-tokens", type=_at_least(1), default=4, metavar="K",
+                        help="most draft tokens per step; the verify window is K + 1 (default: 4)")
+    parser.add_argument("--default-num-draft-tokens", type=_at_least(0), default=None, metavar="K",
+                        help="draft tokens when a request names none (default: the number of MTP layers, at most K)")
+    parser.add_argument("--max-queue-size", type=_at_least(1), default=64, metavar="N",
+                        help="requests waiting for a free slot before new ones are refused (default: 64)")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="eager format: skip torch.compile when the server loads the model")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        manifest = write_repository(
+            args.checkpoint, args.repository, fmt=args.format, device=args.device, dtype=args.dtype,
+            max_slots=args.max_slots, max_seq_len=args.max_seq_len, max_draft_tokens=args.max_draft_tokens,
+            default_num_draft_tokens=args.default_num_draft_tokens, max_queue_size=args.max_queue_size,
+            eager_compile=not args.no_compile,
+        )
+    except (ValueError, OSError) as exc:
+        print(f"triton-mtp export: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.repository} ({manifest['format']}, {len(manifest['artifacts'])} graphs)")
+    return 0
+
+
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse

@@ -1,0 +1,178 @@
+"""Write a Triton model repository from a checkpoint (layout in docs/architecture.md).
+
+    <repo>/target/config.pbtxt, 1/model.py, 1/target.<ext>
+    <repo>/mtp/config.pbtxt, 1/model.py, 1/mtp_<i>.<ext>      (when the checkpoint has MTP layers)
+    <repo>/spec_decode/config.pbtxt, 1/model.py, 1/tokenizer.json (when the checkpoint has one)
+    <repo>/export.json
+
+The configs are the templates of `triton_mtp.model_repository` rendered with
+`string.Template.substitute`; the adapters are copied. Every artifact passes the parity check
+against eager before anything is rendered; a failing one leaves no model behind.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import string
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+import triton_mtp.model_repository
+from triton_mtp.export.checkpoint import load_checkpoint
+from triton_mtp.export.config import ModelConfig
+from triton_mtp.export.graphs import DTYPES, FORMATS, check_parity, export_graphs
+
+TEMPLATES = Path(triton_mtp.model_repository.__file__).parent
+MODELS = ("target", "mtp", "spec_decode")
+DEVICES = ("cpu", "cuda")
+MANIFEST = "export.json"
+
+
+def write_repository(
+    checkpoint_dir: str | Path,
+    repo_dir: str | Path,
+    fmt: str = "torchscript",
+    device: str = "cpu",
+    dtype: str = "fp32",
+    max_slots: int = 4,
+    max_seq_len: int | None = None,
+    max_draft_tokens: int = 4,
+    default_num_draft_tokens: int | None = None,
+    max_queue_size: int = 64,
+    eager_compile: bool = True,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Load the checkpoint, export and check its graphs, write the repository; returns the manifest.
+
+    `max_seq_len` defaults to the config's `max_position_embeddings`. `max_draft_tokens` bounds
+    the verify window (k + 1 tokens); `default_num_draft_tokens` defaults to the number of MTP
+    layers, capped by it. Existing `target`, `mtp`, `spec_decode` folders in `repo_dir` are replaced.
+    """
+    _check_settings(fmt, device, dtype, max_slots, max_seq_len, max_draft_tokens, max_queue_size)
+    checkpoint_dir, repo = Path(checkpoint_dir), Path(repo_dir)
+    if not checkpoint_dir.is_dir():
+        raise FileNotFoundError(f"checkpoint: {checkpoint_dir} is not a directory")
+    config, target, mtp = load_checkpoint(checkpoint_dir, dtype, device, max_slots, max_seq_len, progress=progress)
+    max_seq_len = target.max_seq_len
+    if max_draft_tokens + 3 > max_seq_len:
+        raise ValueError(f"max_seq_len: {max_seq_len} leaves no room for a verify window of {max_draft_tokens + 1} tokens")
+    num_mtp_layers = config.num_nextn_predict_layers if mtp is not None else 0
+    if default_num_draft_tokens is None:
+        default_num_draft_tokens = min(max_draft_tokens, num_mtp_layers)
+    if not 0 <= default_num_draft_tokens <= max_draft_tokens:
+        raise ValueError(
+            f"default_num_draft_tokens: must be in [0, max_draft_tokens={max_draft_tokens}], got {default_num_draft_tokens}"
+        )
+
+    for name in MODELS:
+        shutil.rmtree(repo / name, ignore_errors=True)
+    (repo / MANIFEST).unlink(missing_ok=True)
+    try:
+        with tqdm(total=1 + num_mtp_layers, desc=f"exporting {fmt}", unit="graph", disable=not progress) as bar:
+            artifacts = export_graphs(
+                target, mtp, repo / "target" / "1", fmt, mtp_dir=repo / "mtp" / "1",
+                checkpoint_dir=checkpoint_dir, dtype=dtype, eager_compile=eager_compile,
+                on_saved=lambda name: bar.update(1),
+            )
+        parity = check_parity(target, mtp, artifacts, fmt, verify_tokens=max_draft_tokens + 1, log=log)
+    except BaseException:
+        for name in MODELS:
+            shutil.rmtree(repo / name, ignore_errors=True)
+        raise
+
+    values = {
+        "kind": "KIND_GPU" if device == "cuda" else "KIND_CPU",
+        "format": fmt,
+        "device": device,
+        "dtype": dtype,
+        "max_slots": max_slots,
+        "max_seq_len": max_seq_len,
+        "max_draft_tokens": max_draft_tokens,
+        "num_mtp_layers": num_mtp_layers,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "eos_token_id": _eos_token_id(config),
+        "default_num_draft_tokens": default_num_draft_tokens,
+        "max_queue_size": max_queue_size,
+    }
+    for name in MODELS:
+        if name == "mtp" and mtp is None:
+            continue
+        _install_model(name, repo, values)
+    tokenizer = checkpoint_dir / "tokenizer.json"
+    if tokenizer.is_file():
+        (repo / "spec_decode" / "1").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(tokenizer, repo / "spec_decode" / "1" / "tokenizer.json")
+
+    manifest = {
+        "format": fmt,
+        "dtype": dtype,
+        "device": device,
+        "checkpoint": str(checkpoint_dir.resolve()),
+        "torch_version": torch.__version__,
+        "sizes": {k: values[k] for k in ("max_slots", "max_seq_len", "max_draft_tokens", "default_num_draft_tokens",
+                                         "max_queue_size", "num_mtp_layers")},
+        "model_config": config.to_dict(),
+        "artifacts": {name: str(path.relative_to(repo)) for name, path in artifacts.items()},
+        "parity_max_relative_error": parity,
+    }
+    (repo / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def _check_settings(
+    fmt: str, device: str, dtype: str, max_slots: int, max_seq_len: int | None, max_draft_tokens: int, max_queue_size: int
+) -> None:
+    """One-line ValueError naming the first bad setting."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format: must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if device not in DEVICES:
+        raise ValueError(f"device: must be cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: cuda was asked for but this host has no CUDA device")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    for name, value, low in (("max_slots", max_slots, 1), ("max_draft_tokens", max_draft_tokens, 1),
+                             ("max_queue_size", max_queue_size, 1), ("max_seq_len", max_seq_len, 4)):
+        if value is not None and value < low:
+            raise ValueError(f"{name}: must be >= {low}, got {value}")
+
+
+def _eos_token_id(config: ModelConfig) -> int:
+    """The first end-of-sequence id, or -1 when the config names none."""
+    eos = config.eos_token_id
+    if isinstance(eos, list):
+        return int(eos[0]) if eos else -1
+    return -1 if eos is None else int(eos)
+
+
+def _install_model(name: str, repo: Path, values: dict[str, Any]) -> None:
+    """Render `<name>/config.pbtxt` and copy `<name>/1/model.py`; a missing template is skipped with a warning."""
+    template = TEMPLATES / name / "config.pbtxt"
+    adapter = TEMPLATES / name / "1" / "model.py"
+    (repo / name / "1").mkdir(parents=True, exist_ok=True)
+    if template.is_file():
+        (repo / name / "config.pbtxt").write_text(render(template, values))
+    else:
+        warnings.warn(f"{template}: template not found, {name}/config.pbtxt not written", stacklevel=3)
+    if adapter.is_file():
+        shutil.copyfile(adapter, repo / name / "1" / "model.py")
+    else:
+        warnings.warn(f"{adapter}: adapter not found, {name}/1/model.py not written", stacklevel=3)
+
+
+def render(template: Path, values: dict[str, Any]) -> str:
+    """`string.Template.substitute`; an unknown placeholder is a ValueError naming the file and key."""
+    try:
+        return string.Template(template.read_text()).substitute({k: str(v) for k, v in values.items()})
+    except KeyError as exc:
+        raise ValueError(f"{template}: unknown placeholder ${{{exc.args[0]}}}") from None
+    except ValueError as exc:
+        raise ValueError(f"{template}: {exc}") from None
