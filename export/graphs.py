@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from triton_mtp.export.formats import DTYPES, FORMATS, format_module, kv_cache_of
-from triton_mtp.export.model import DeepseekV3MTP, DeepseekV3Target
+from triton_mtp.export.model import DeepseekV3MTP, DeepseekV3Target, MTPLayerStep
 
 __all__ = ["DTYPES", "FORMATS", "ParityError", "check_parity", "export_graphs", "load_step"]
 
@@ -84,11 +84,11 @@ def _example(step: nn.Module, target: DeepseekV3Target) -> tuple[tuple[torch.Ten
     positions[1, T - 1] = -1
     slot_ids = torch.tensor([0, max_slots - 1], device=weight.device)  # [B]
     batch = torch.export.Dim("batch", min=1, max=max(2, max_slots))
-    tokens = torch.export.Dim("tokens", min=1, max=max(2, seq_plus_one - 1))
-    if hasattr(step, "layer"):
+    rows = {0: batch, 1: torch.export.Dim("tokens", min=1, max=max(2, seq_plus_one - 1))}
+    if isinstance(step, MTPLayerStep):
         hidden = torch.randn(B, T, weight.shape[1], dtype=weight.dtype, device=weight.device)  # [B, T, H]
-        return (token_ids, hidden, positions, slot_ids), ({0: batch, 1: tokens}, {0: batch, 1: tokens}, {0: batch, 1: tokens}, {0: batch})
-    return (token_ids, positions, slot_ids), ({0: batch, 1: tokens}, {0: batch, 1: tokens}, {0: batch})
+        return (token_ids, hidden, positions, slot_ids), (rows, rows, rows, {0: batch})
+    return (token_ids, positions, slot_ids), (rows, rows, {0: batch})
 
 
 class StepRunner:
@@ -187,7 +187,7 @@ def check_parity(
     verify_tokens: int = 2,
     tolerance: float | None = None,
     seed: int = 0,
-    compile: bool = False,
+    compile: bool | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, float]:
     """Max relative error of each artifact against the eager modules; ParityError beyond `tolerance`.
@@ -196,6 +196,7 @@ def check_parity(
     tokens and a one-token decode step on fresh pools, comparing logits and hidden states at the
     valid positions and the pools (scratch position excluded) afterwards. The error is
     max|artifact - eager| / max|eager|. The eager modules' pools are zeroed before and after.
+    `compile` is passed to `load_step`.
     """
     weight = target.model.embed_tokens.weight  # [V, H]
     tolerance = TOLERANCES[weight.dtype] if tolerance is None else tolerance

@@ -15,7 +15,9 @@ COUNTERS = {
     "spec_decode_num_accepted_tokens_per_pos": "Draft tokens accepted, by draft position",
     "spec_decode_hops": "Calls from spec_decode into the target and mtp models",
     "spec_decode_emitted_tokens": "Tokens emitted to requests",
+    "spec_decode_finished_requests": "Requests finished, by finish_reason (length, stop, cancelled, error)",
 }
+FINISH_REASONS = ("length", "stop", "cancelled", "error")
 GAUGES = {
     "spec_decode_live_sequences": "Sequences holding a slot",
     "spec_decode_free_slots": "Free KV-cache slots",
@@ -32,10 +34,19 @@ class EngineMetrics:
     """Running totals; `hops_per_token` is the number the engine design tries to push down."""
 
     def __init__(self, max_draft_tokens: int, sink: MetricSink | None = None) -> None:
-        self.counters = {name: 0 for name in COUNTERS if name != "spec_decode_num_accepted_tokens_per_pos"}
+        labelled = ("spec_decode_num_accepted_tokens_per_pos", "spec_decode_finished_requests")
+        self.counters = {name: 0 for name in COUNTERS if name not in labelled}
         self.accepted_per_position = [0] * max_draft_tokens
+        self.finished = {reason: 0 for reason in FINISH_REASONS}
         self.gauges = {name: 0 for name in GAUGES}
         self._sink = sink
+        if sink is not None:  # every series exists from the start, at 0
+            for name in self.counters:
+                sink.increment(name, 0, {})
+            for position in range(max_draft_tokens):
+                sink.increment("spec_decode_num_accepted_tokens_per_pos", 0, {"position": str(position)})
+            for reason in FINISH_REASONS:
+                sink.increment("spec_decode_finished_requests", 0, {"reason": reason})
 
     def _add(self, name: str, value: int, labels: dict[str, str] | None = None) -> None:
         if labels is None:
@@ -57,6 +68,10 @@ class EngineMetrics:
         for position in range(num_accepted):
             self.accepted_per_position[position] += 1
             self._add("spec_decode_num_accepted_tokens_per_pos", 1, {"position": str(position)})
+
+    def finish(self, reason: str) -> None:
+        self.finished[reason] += 1
+        self._add("spec_decode_finished_requests", 1, {"reason": reason})
 
     def occupancy(self, live: int, free_slots: int, waiting: int) -> None:
         for name, value in (("spec_decode_live_sequences", live), ("spec_decode_free_slots", free_slots),

@@ -188,6 +188,7 @@ class Scheduler:
                     return
                 request, handle = self._waiting.popleft()
             if handle.is_cancelled():
+                self.metrics.finish("cancelled")
                 handle.send(self._cancelled_response(request), final=True)
                 continue
             slot = self.slots.allocate()
@@ -348,6 +349,7 @@ class Scheduler:
 
     def _finish(self, s: _Sequence, step_ids: list[int], step_logprobs: list[float]) -> None:
         self._release(s)
+        self.metrics.finish(s.finish_reason)
         if not s.request.stream:
             step_ids, step_logprobs = s.output_ids, s.logprobs
         response = self._response(s, step_ids, step_logprobs, final=True)
@@ -359,6 +361,7 @@ class Scheduler:
     def _fail(self, s: _Sequence, message: str) -> None:
         if s in self._live:
             self._release(s)
+        self.metrics.finish("error")
         try:
             s.handle.send_error(message)
         except Exception:  # noqa: BLE001 - the client is gone; nothing is left to tell it

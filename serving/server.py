@@ -11,6 +11,12 @@ libraries ship inside the `nvidia-pytriton` wheel:
 `TritonServer` lays out a backend directory for the running Python, starts the binary in its own
 process group with this interpreter's bin directory first on PATH (so the stub imports this
 environment's numpy and torch), waits for readiness and stops the whole group.
+
+Admin surfaces are restricted with tritonserver's `--grpc-restricted-protocol` /
+`--http-restricted-api`: a request to a restricted API must carry the admin key in the HTTP header
+`admin-key`, or in the gRPC metadata key `triton-grpc-protocol-admin-key` (2.51 prefixes gRPC keys).
+Inference, health, metadata, model config and statistics stay open (perf_analyzer and genai-perf
+read the last two). gRPC can be served over TLS (`GrpcTls`); tritonserver has no TLS for HTTP.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import importlib.metadata
 import importlib.util
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -38,6 +45,14 @@ SHM_GROWTH_BYTE_SIZE = 16 * 2**20
 STOP_GRACE_S = 30.0
 LOG_ERROR_LINES = 30
 
+ADMIN_KEY_ENV = "TRITON_MTP_ADMIN_KEY"
+ADMIN_HEADER = "admin-key"
+GRPC_HEADER_PREFIX = "triton-grpc-protocol-"  # tritonserver 2.51 matches gRPC metadata keys with this prefix
+ADMIN_APIS = ("model-repository", "shared-memory", "trace", "logging")
+RESTRICTABLE_APIS = ADMIN_APIS + ("statistics", "model-config", "metadata", "health", "inference")
+ADMIN_KEY_PATTERN = re.compile(r"[A-Za-z0-9._~-]{16,}")
+MODEL_CONTROL_MODES = ("none", "explicit")
+
 
 class TritonServerError(RuntimeError):
     """The server could not be located, laid out, started or stopped."""
@@ -56,6 +71,45 @@ class TritonInstall:
     stub: Path  # triton_python_backend_stub for the running Python
     libs: Path  # nvidia_pytriton.libs
     version: str  # nvidia-pytriton version
+
+
+@dataclass(frozen=True)
+class GrpcTls:
+    """PEM files for serving gRPC over TLS (`--grpc-use-ssl`)."""
+
+    server_cert: Path
+    server_key: Path
+
+    def check(self) -> None:
+        for flag, path in (("--grpc-server-cert", self.server_cert), ("--grpc-server-key", self.server_key)):
+            if not Path(path).is_file():
+                raise TritonServerError(f"{flag} file {path} does not exist")
+
+    def args(self) -> list[str]:
+        return [
+            "--grpc-use-ssl=true",
+            f"--grpc-server-cert={Path(self.server_cert).resolve()}",
+            f"--grpc-server-key={Path(self.server_key).resolve()}",
+        ]
+
+
+def check_admin_key(key: str, source: str) -> None:
+    """Raise unless `key` is at least 16 characters of `A-Z a-z 0-9 . _ ~ -` (safe in a header)."""
+    if not ADMIN_KEY_PATTERN.fullmatch(key):
+        raise TritonServerError(f"admin key from {source} must be at least 16 characters of A-Z a-z 0-9 . _ ~ -")
+
+
+def check_admin_apis(apis: Sequence[str]) -> None:
+    unknown = [api for api in apis if api not in RESTRICTABLE_APIS]
+    if unknown or not apis:
+        raise TritonServerError(f"admin APIs {list(apis)}: each must be one of {', '.join(RESTRICTABLE_APIS)}")
+
+
+def admin_headers(key: str, protocol: str) -> dict[str, str]:
+    """The header carrying `key` for `protocol` ("grpc" or "http"), as tritonclient's `headers=`."""
+    if protocol not in ("grpc", "http"):
+        raise ValueError(f"protocol must be 'grpc' or 'http', got {protocol!r}")
+    return {(GRPC_HEADER_PREFIX if protocol == "grpc" else "") + ADMIN_HEADER: key}
 
 
 def find_tritonserver() -> TritonInstall:
@@ -158,7 +212,9 @@ class TritonServer:
     """One tritonserver process serving `repository`; a context manager that starts and waits ready.
 
     `grpc_url` and `http_url` are `host:port` as tritonclient expects; `metrics_url` is the full
-    Prometheus address. The server's stdout and stderr go to `log_path`.
+    Prometheus address. The server's stdout and stderr go to `log_path`. With `admin_key`, the
+    `admin_apis` answer only requests carrying it (`admin_headers`); `grpc_tls` serves gRPC over TLS;
+    `model_control_mode="explicit"` loads every model at start and allows load / unload requests.
     """
 
     def __init__(
@@ -170,12 +226,20 @@ class TritonServer:
         log_verbose: int = 0,
         extra_args: Sequence[str] = (),
         log_path: str | os.PathLike | None = None,
+        admin_key: str | None = None,
+        admin_apis: Sequence[str] = ADMIN_APIS,
+        grpc_tls: GrpcTls | None = None,
+        model_control_mode: str = "none",
     ) -> None:
         self.repository = Path(repository).resolve()
         self.ports = {"grpc": grpc_port, "http": http_port, "metrics": metrics_port}
         self.log_verbose = log_verbose
         self.extra_args = tuple(extra_args)
         self.log_path = Path(log_path) if log_path is not None else None
+        self.admin_key = admin_key
+        self.admin_apis = tuple(admin_apis)
+        self.grpc_tls = grpc_tls
+        self.model_control_mode = model_control_mode
         self.process: subprocess.Popen | None = None
 
     @property
@@ -190,12 +254,28 @@ class TritonServer:
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.ports['metrics']}/metrics"
 
+    def security_args(self) -> list[str]:
+        """Restricted-API and TLS flags; validates key, API names, control mode and PEM files."""
+        if self.model_control_mode not in MODEL_CONTROL_MODES:
+            raise TritonServerError(f"model control mode must be one of {MODEL_CONTROL_MODES}, got {self.model_control_mode!r}")
+        args = ["--load-model=*"] if self.model_control_mode == "explicit" else []
+        if self.admin_key is not None:
+            check_admin_key(self.admin_key, "admin_key")
+            check_admin_apis(self.admin_apis)
+            restriction = f"{','.join(self.admin_apis)}:{ADMIN_HEADER}={self.admin_key}"
+            args += [f"--grpc-restricted-protocol={restriction}", f"--http-restricted-api={restriction}"]
+        if self.grpc_tls is not None:
+            self.grpc_tls.check()
+            args += self.grpc_tls.args()
+        return args
+
     def command(self, install: TritonInstall, backends: Path) -> list[str]:
         return [
             str(install.binary),
             f"--model-repository={self.repository}",
             f"--backend-directory={backends}",
-            "--model-control-mode=none",
+            f"--model-control-mode={self.model_control_mode}",
+            *self.security_args(),
             f"--grpc-port={self.ports['grpc']}",
             f"--http-port={self.ports['http']}",
             f"--metrics-port={self.ports['metrics']}",
@@ -223,14 +303,14 @@ class TritonServer:
         for name, port in self.ports.items():
             check_port_free(port, name)
         install = find_tritonserver()
-        backends = backend_directory(install)
+        command = self.command(install, backend_directory(install))
         if self.log_path is None:
             fd, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
             os.close(fd)
             self.log_path = Path(name)
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                self.command(install, backends),
+                command,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -309,14 +389,63 @@ def signal_group(group: int, signum: int) -> None:
         pass
 
 
+def admin_key_for(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The admin key `serve` restricts with and where it came from: none, the environment, or generated."""
+    if args.unrestricted_admin:
+        return None, "unrestricted"
+    key = os.environ.get(ADMIN_KEY_ENV)
+    if key is None:
+        return secrets.token_urlsafe(24), "generated"
+    check_admin_key(key, ADMIN_KEY_ENV)
+    return key, ADMIN_KEY_ENV
+
+
+def grpc_tls_for(args: argparse.Namespace) -> GrpcTls | None:
+    if not args.grpc_use_ssl:
+        if args.grpc_server_cert or args.grpc_server_key:
+            raise TritonServerError("--grpc-server-cert / --grpc-server-key need --grpc-use-ssl")
+        return None
+    for flag, value in (("--grpc-server-cert", args.grpc_server_cert), ("--grpc-server-key", args.grpc_server_key)):
+        if not value:
+            raise TritonServerError(f"--grpc-use-ssl needs {flag}")
+    return GrpcTls(Path(args.grpc_server_cert), Path(args.grpc_server_key))
+
+
+def print_endpoints(server: TritonServer, key_source: str) -> None:
+    tls = " (TLS)" if server.grpc_tls is not None else ""
+    print(f"grpc     {server.grpc_url}{tls}", flush=True)
+    print(f"http     http://{server.http_url}", flush=True)
+    print(f"metrics  {server.metrics_url}", flush=True)
+    print(f"log      {server.log_path}", flush=True)
+    if server.admin_key is None:
+        print("admin    unrestricted: anyone reaching the ports can load models and change logging", flush=True)
+        return
+    shown = server.admin_key if key_source == "generated" else f"<from {ADMIN_KEY_ENV}>"
+    print(
+        f"admin    {','.join(server.admin_apis)} need header {ADMIN_HEADER}: {shown} "
+        f"(gRPC metadata {GRPC_HEADER_PREFIX}{ADMIN_HEADER})",
+        flush=True,
+    )
+
+
 def serve(args: argparse.Namespace) -> int:
     """`triton-mtp serve`: start, wait ready, print the endpoints, block until SIGINT/SIGTERM."""
+    try:
+        admin_key, key_source = admin_key_for(args)
+        grpc_tls = grpc_tls_for(args)
+    except TritonServerError as exc:
+        print(f"triton-mtp serve: error: {exc}", file=sys.stderr)
+        return 1
     server = TritonServer(
         args.repository,
         grpc_port=args.grpc_port,
         http_port=args.http_port,
         metrics_port=args.metrics_port,
         log_verbose=args.log_verbose,
+        admin_key=admin_key,
+        admin_apis=args.admin_apis,
+        grpc_tls=grpc_tls,
+        model_control_mode=args.model_control_mode,
     )
 
     def request_stop(signum: int, frame: object) -> None:
@@ -326,10 +455,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         server.start()
         server.wait_ready(args.ready_timeout)
-        print(f"grpc     {server.grpc_url}", flush=True)
-        print(f"http     http://{server.http_url}", flush=True)
-        print(f"metrics  {server.metrics_url}", flush=True)
-        print(f"log      {server.log_path}", flush=True)
+        print_endpoints(server, key_source)
         code = server.process.wait()
         raise TritonServerError(f"tritonserver exited with code {code}:\n{server.log_errors()}")
     except StopRequested:
@@ -346,6 +472,15 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def api_list(text: str) -> tuple[str, ...]:
+    apis = tuple(api.strip() for api in text.split(",") if api.strip())
+    try:
+        check_admin_apis(apis)
+    except TritonServerError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return apis
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="run tritonserver on a model repository")
     parser.add_argument("--repository", required=True, help="model repository directory")
@@ -354,4 +489,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    security = parser.add_argument_group(
+        "security",
+        f"admin APIs need the key from ${ADMIN_KEY_ENV} (a new one is generated and printed when unset)",
+    )
+    security.add_argument("--admin-apis", type=api_list, default=ADMIN_APIS, metavar="API,...",
+                          help=f"APIs that need the admin key (default {','.join(ADMIN_APIS)})")
+    security.add_argument("--unrestricted-admin", action="store_true", help="serve the admin APIs without a key")
+    security.add_argument("--model-control-mode", choices=MODEL_CONTROL_MODES, default="none",
+                          help="explicit: load every model at start and accept load / unload requests")
+    security.add_argument("--grpc-use-ssl", action="store_true", help="serve gRPC over TLS")
+    security.add_argument("--grpc-server-cert", help="PEM server certificate (with --grpc-use-ssl)")
+    security.add_argument("--grpc-server-key", help="PEM server private key (with --grpc-use-ssl)")
     parser.set_defaults(func=serve)

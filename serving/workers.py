@@ -99,17 +99,21 @@ class DraftResult(_Payload):
     draft_probs: torch.Tensor | None = None  # [B, K, V] float32 when any row samples
 
 
-class _Generators:
-    """One torch.Generator per slot, reseeded when a slot starts a new sequence."""
+DRAFT_SEED_SALT = 0x9E37_79B9_7F4A_7C15  # the drafter's stream must not replay the target's draws
 
-    def __init__(self, max_slots: int, device: torch.device) -> None:
+
+class _Generators:
+    """One torch.Generator per slot, reseeded (request seed ^ salt) when a slot starts a new sequence."""
+
+    def __init__(self, max_slots: int, device: torch.device, salt: int = 0) -> None:
         self._device = device
+        self._salt = salt
         self._by_slot: list[torch.Generator | None] = [None] * max_slots
 
     def rows(self, slot_ids: torch.Tensor, seeds: torch.Tensor, new: torch.Tensor) -> list[torch.Generator]:
         for slot, seed, fresh in zip(slot_ids.tolist(), seeds.tolist(), new.tolist()):
             if fresh or self._by_slot[slot] is None:
-                self._by_slot[slot] = row_generator(seed & 0xFFFF_FFFF_FFFF_FFFF, self._device)
+                self._by_slot[slot] = row_generator((seed & 0xFFFF_FFFF_FFFF_FFFF) ^ self._salt, self._device)
         return [self._by_slot[slot] for slot in slot_ids.tolist()]
 
 
@@ -172,7 +176,7 @@ class DraftWorker:
         self._max_slots = max_slots
         self._device = torch.device(device)
         self._dtype = dtype
-        self._generators = _Generators(max_slots, self._device)
+        self._generators = _Generators(max_slots, self._device, DRAFT_SEED_SALT)
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> DraftResult:

@@ -15,6 +15,7 @@ A server that does not become ready fails the test with its last log lines.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -48,12 +49,22 @@ def triton_server_for() -> Iterator[Callable[..., TritonServer]]:
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def toy_spec_decode_server(triton_server_for, tmp_path_factory: pytest.TempPathFactory) -> TritonServer:
+    """A server whose `spec_decode` is tests/models/toy_spec_decode: the public interface, a fake engine."""
+    repo = tmp_path_factory.mktemp("toy_spec_decode_repository")
+    model = Path(__file__).parent / "models" / "toy_spec_decode"
+    shutil.copytree(model, repo / "spec_decode", ignore=shutil.ignore_patterns("__pycache__"))
+    return triton_server_for(repo)
+
+
 def sharpen_for_drafting(checkpoint_dir: Path, scale: float = 0.05) -> None:
     """Rewrite a random checkpoint so its MTP layers predict the target well but not perfectly.
 
-    Shrinking every attention / MLP output projection makes target and MTP close to a bigram model
-    of the (shared) embedding and head; an identity `eh_proj` passes the MTP's token embedding
-    through. Drafts are then accepted often and rejected sometimes: both paths get exercised.
+    Shrinking the target's attention / MLP output projections makes it close to a bigram model of
+    the (shared) embedding and head; an identity `eh_proj` passes the MTP's token embedding through,
+    and the MTP layers keep their full-size attention, so what their caches hold shows in the
+    drafts. Drafts are then accepted often and rejected sometimes: both paths get exercised.
     """
     import torch
     from safetensors.torch import load_file, save_file
@@ -62,9 +73,11 @@ def sharpen_for_drafting(checkpoint_dir: Path, scale: float = 0.05) -> None:
 
     path = checkpoint_dir / "model.safetensors"
     weights = load_file(path)
-    hidden = tiny_config()["hidden_size"]
+    config = tiny_config()
+    hidden, target_layers = config["hidden_size"], config["num_hidden_layers"]
     for name, tensor in weights.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
+        in_target = name.startswith("model.layers.") and int(name.split(".")[2]) < target_layers
+        if in_target and name.endswith(("o_proj.weight", "down_proj.weight")):
             weights[name] = tensor * scale
         elif name.endswith("eh_proj.weight"):
             weights[name] = torch.cat([torch.eye(hidden), tensor[:, hidden:] * scale], dim=1)  # [H, 2H]

@@ -1,4 +1,4 @@
-"""Exported step graphs (torchscript, onnx, aoti) behave like the eager model, KV pool included.
+"""Exported steps (torchscript, onnx, eager, aoti) behave like the eager model, KV pool included.
 
 Each format is exported once per module from the tiny config. AOTInductor compiles C++ for a
 minute on a small CPU, so its case runs a smaller model and carries the `aoti` mark.
@@ -7,29 +7,27 @@ minute on a small CPU, so its case runs a smaller model and carries the `aoti` m
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from tiny_config import tiny_config
-from triton_mtp.export.config import ModelConfig
+from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.export.graphs import ParityError, check_parity, export_graphs, load_step
 from triton_mtp.export.model import DeepseekV3MTP, DeepseekV3Target
-from triton_mtp.export.synthetic import random_weights
+from triton_mtp.export.synthetic import write_checkpoint
 
 MAX_SLOTS, MAX_SEQ_LEN = 3, 24
 
 
-def build_models(overrides: dict | None = None, seed: int = 0) -> tuple[DeepseekV3Target, DeepseekV3MTP]:
-    """Target and MTP of the tiny config with random checkpoint weights."""
-    cfg_dict = {**tiny_config(), **(overrides or {})}
-    cfg = ModelConfig.from_dict(cfg_dict)
-    weights = random_weights(cfg_dict, seed=seed)
-    target = DeepseekV3Target(cfg, MAX_SLOTS, MAX_SEQ_LEN)
-    mtp = DeepseekV3MTP(cfg, target, MAX_SLOTS, MAX_SEQ_LEN)
-    target.load_state_dict({k: weights[k] for k in target.state_dict()}, strict=True)
-    mtp.load_state_dict({k: weights[k] for k in mtp.state_dict()}, strict=True)
-    return target.eval(), mtp.eval()
+def build_models(
+    directory: Path, overrides: dict | None = None, seed: int = 0
+) -> tuple[DeepseekV3Target, DeepseekV3MTP]:
+    """Write a random checkpoint of the tiny config into `directory` and load target and MTP from it."""
+    write_checkpoint(directory, {**tiny_config(), **(overrides or {})}, seed=seed)
+    _, target, mtp = load_checkpoint(directory, "fp32", "cpu", MAX_SLOTS, MAX_SEQ_LEN, progress=False)
+    return target, mtp
 
 
 # A prefill chunk of two rows in slots 2 and 0 (row 1 has 3 valid tokens, then padding), then a
@@ -49,19 +47,24 @@ def assert_valid_close(got: torch.Tensor, expected: torch.Tensor, positions: tor
     torch.testing.assert_close(got[valid], expected[valid], rtol=1e-4, atol=1e-5)
 
 
-FORMAT_PARAMS = ["torchscript", "onnx", pytest.param("aoti", marks=pytest.mark.aoti)]
+FORMAT_PARAMS = ["torchscript", "onnx", "eager", pytest.param("aoti", marks=pytest.mark.aoti)]
 
 
 @pytest.fixture(scope="module", params=FORMAT_PARAMS)
 def exported(request, tmp_path_factory):
-    """(fmt, target, mtp, artifacts): one export per format for the whole module."""
+    """(fmt, target, mtp, artifacts): one export per format for the whole module.
+
+    The eager artifacts are loaded without torch.compile (minutes of C++ compilation on CPU).
+    """
     fmt = request.param
     overrides = {"num_hidden_layers": 2, "num_nextn_predict_layers": 1} if fmt == "aoti" else None
-    target, mtp = build_models(overrides)
+    checkpoint = tmp_path_factory.mktemp(f"checkpoint_{fmt}")
+    target, mtp = build_models(checkpoint, overrides)
     out = tmp_path_factory.mktemp(f"graphs_{fmt}")
-    artifacts = export_graphs(target, mtp, out, fmt)
+    artifacts = export_graphs(target, mtp, out, fmt, checkpoint_dir=checkpoint, dtype="fp32", eager_compile=False)
     yield fmt, target, mtp, artifacts
     shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(checkpoint, ignore_errors=True)
 
 
 def test_export_writes_one_file_per_step(exported):
@@ -152,9 +155,9 @@ def test_check_parity_passes_for_a_faithful_export(exported, capsys):
 
 
 def test_check_parity_fails_with_numbers_for_a_broken_artifact(tmp_path):
-    target, mtp = build_models()
+    target, mtp = build_models(tmp_path / "checkpoint")
     artifacts = export_graphs(target, mtp, tmp_path, "torchscript")
-    broken, _ = build_models()
+    broken, _ = build_models(tmp_path / "checkpoint")
     with torch.no_grad():
         broken.model.layers[1].mlp.shared_experts.down_proj.weight.mul_(1.5)
     export_graphs(broken, None, tmp_path, "torchscript")  # overwrites target.pt only
@@ -170,7 +173,7 @@ def test_load_step_rejects_bad_format_and_missing_artifact(tmp_path):
 
 
 def test_onnx_rejects_bf16_by_name(tmp_path):
-    target, _ = build_models()
+    target, _ = build_models(tmp_path / "checkpoint")
     with pytest.raises(ValueError, match="format onnx: dtype bfloat16 is not supported"):
         export_graphs(target.to(torch.bfloat16), None, tmp_path, "onnx")
 

@@ -91,6 +91,48 @@ def test_greedy_speculation_emits_exactly_the_plain_greedy_tokens(models):
         assert engine.slots.num_free == MAX_SLOTS
 
 
+def test_draft_distributions_equal_the_mtp_run_over_the_whole_sequence_in_an_empty_slot(models):
+    """After steps that accepted some drafts and rejected others, the distributions of drafts 1-3
+    (temperature, top-k) are what the MTP layers give from scratch: layer 0 over every (t_{i+1}, h_i) pair, then layer 1
+    and layer 0 again over the pairs extended by the drafts and recycled hidden states. So every
+    layer's cache covers every position, and rejected positions were overwritten."""
+    target, mtp = models
+    engine = scheduler(models)
+    real_mtp, hops = engine._hops.mtp, []
+
+    def recording(batch):
+        result = real_mtp(batch)
+        for b, slot in enumerate(batch.slot_ids.tolist()):  # slot i serves request i here
+            n = int(batch.positions[b].max()) + 2  # sequence length when drafting
+            hops.append((slot, n, result.draft_ids[b].tolist(), result.draft_probs[b]))  # draft_probs [K, V]
+        return result
+
+    engine._hops.mtp = recording
+    batch = prompts(3, seed=8)
+    handles = run(engine, [GenerationRequest(p, 24, temperature=1.5, top_k=3, seed=5, num_draft_tokens=3) for p in batch])
+    sequences = [p + h.final.output_ids for p, h in zip(batch, handles)]
+    accepted = sum(h.final.total_accepted_draft_tokens for h in handles)
+    assert 0 < accepted < sum(h.final.total_draft_tokens for h in handles)
+    slot = torch.tensor([MAX_SLOTS - 1])
+    checked = 0
+    with torch.no_grad():
+        for row, n, drafts, draft_probs in hops:
+            sequence = sequences[row]
+            if len(drafts) < 3:
+                continue
+            positions = torch.arange(n + 2).view(1, -1)  # [1, n+2]
+            _, hidden = target(torch.tensor([sequence[: n - 1]]), positions[:, : n - 1], slot)  # [1, n-1, H]
+            ids = torch.tensor([sequence[1:n] + drafts[:2]])  # [1, n+1]
+            for step in range(3):
+                T = n - 1 + step
+                logits, out = mtp(ids[:, :T], hidden, positions[:, :T], slot, step)  # [1, T, V], [1, T, H]
+                expected = _processed(logits[0, -1], 1.5, 3)  # [V]
+                torch.testing.assert_close(draft_probs[step], expected, atol=1e-5, rtol=1e-4)
+                hidden = torch.cat([hidden, out[:, -1:]], dim=1)  # [1, T+1, H]
+            checked += 1
+    assert checked >= 9
+
+
 def test_accepting_drafts_saves_hops(models):
     batch = prompts(4, seed=1)
     plain, spec = scheduler(models), scheduler(models)

@@ -5,6 +5,7 @@ sigmoid routing), YaRN RoPE, and two MTP layers (`num_nextn_predict_layers: 2`).
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from triton_mtp.train.tokenizer import SPECIAL_TOKENS
@@ -60,3 +61,6 @@ def bundled_model_config(vocab_size: int) -> dict[str, Any]:
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
     }
+
+
+BUNDLED_CHECKPOINT = Path(__file__).resolve().parents[1] / "models" / "tiny-dsv3-mtp"

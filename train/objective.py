@@ -9,12 +9,11 @@ DeepSeek-V3 decoder layer behind `eh_proj(concat(enorm(embed(t_{i+k})), hnorm(h^
 """
 from __future__ import annotations
 
-import re
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers.core_model_loading import revert_weight_conversion
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3DecoderLayer,
     DeepseekV3RMSNorm,
@@ -139,27 +138,11 @@ class LoadBalancer:
             load.zero_()
 
 
-_FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-
-
 def checkpoint_state_dict(model: TrainingModel) -> dict[str, torch.Tensor]:
     """Parameters under their DeepSeek-V3 checkpoint names: per-expert linears, MTP at layers N+i."""
     n = model.target.config.num_hidden_layers
     named = dict(model.target.state_dict())
     for i, layer in enumerate(model.mtp):
         named.update({f"model.layers.{n + i}.{k}": v for k, v in layer.state_dict().items()})
-    out = {}
-    for name, tensor in named.items():
-        match = _FUSED_EXPERTS.match(name)
-        if match is None:
-            out[name] = tensor
-            continue
-        prefix, kind = match.groups()
-        for e, weight in enumerate(tensor):  # gate_up: E, 2I, H   down: E, H, I
-            if kind == "down_proj":
-                out[f"{prefix}.{e}.down_proj.weight"] = weight
-            else:
-                gate, up = weight.chunk(2, dim=0)  # I, H each
-                out[f"{prefix}.{e}.gate_proj.weight"] = gate
-                out[f"{prefix}.{e}.up_proj.weight"] = up
-    return {k: v.detach().contiguous() for k, v in out.items()}
+    # transformers fuses each layer's experts on load; revert to `experts.{e}.{gate,up,down}_proj.weight`
+    return {k: v.detach().contiguous() for k, v in revert_weight_conversion(model.target, named).items()}

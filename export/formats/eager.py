@@ -14,6 +14,7 @@ from torch import nn
 
 from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.export.formats import DTYPES, kv_cache_of, set_buffer
+from triton_mtp.export.model import DeepseekV3MTP, MTPLayerStep
 
 EXTENSION = "json"
 
@@ -39,15 +40,25 @@ def save(
         "dtype": dtype,
         "max_slots": max_slots,
         "max_seq_len": seq_plus_one - 1,
-        "step": "mtp" if hasattr(step, "layer") else "target",
-        "layer": getattr(step, "layer", None),
+        "step": "mtp" if isinstance(step, MTPLayerStep) else "target",
+        "layer": step.layer if isinstance(step, MTPLayerStep) else None,
         "compile": compile,
     }
     path.write_text(json.dumps(reference, indent=2) + "\n")
 
 
+# torch.compile(dynamic=True) specializes sizes of 1, so batch and token counts of 1 and > 1 each
+# compile once.
+WARM_UP_SHAPES = ((1, 1), (2, 1), (1, 2), (2, 2))
+
+
 class EagerGraph:
-    """A step module of the rebuilt model, compiled with `torch.compile(dynamic=True)` unless disabled."""
+    """A step module of the rebuilt model, compiled with `torch.compile(dynamic=True)` unless disabled.
+
+    A compiled step is warmed up when its pool is bound: one call per size class, every row padding,
+    so the compilation happens at load rather than on the first requests and only the scratch
+    position is written.
+    """
 
     explicit_cache = False
 
@@ -55,14 +66,29 @@ class EagerGraph:
         self.module = module
         self.cache_fqn, pool = kv_cache_of(module)
         self.cache_shape, self.cache_dtype = tuple(pool.shape), pool.dtype
+        self.compiled = compile
         self.step = torch.compile(step, dynamic=True) if compile else step
 
     def bind_cache(self, pool: torch.Tensor) -> None:
         set_buffer(self.module, self.cache_fqn, pool)
+        if self.compiled:
+            self._warm_up(pool.device)
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
             return self.step(*inputs)
+
+    def _warm_up(self, device: torch.device) -> None:
+        config = self.module.config
+        for B, T in WARM_UP_SHAPES:
+            token_ids = torch.zeros(B, T, dtype=torch.long, device=device)  # [B, T]
+            positions = torch.full((B, T), -1, device=device)  # [B, T], all padding
+            slot_ids = torch.zeros(B, dtype=torch.long, device=device)  # [B]
+            if isinstance(self.module, DeepseekV3MTP):
+                hidden = torch.zeros(B, T, config.hidden_size, dtype=self.module.embed_tokens.weight.dtype, device=device)
+                self(token_ids, hidden, positions, slot_ids)
+            else:
+                self(token_ids, positions, slot_ids)
 
 
 def load(paths: list[Path], device: torch.device, compile: bool | None = None) -> list[EagerGraph]:

@@ -4,7 +4,7 @@ Tokens are UTF-8 bytes (vocabulary 256). Greedy decoding continues a prompt with
 `next = a + (7 * prev + 3) % 26`; at temperature > 0 it draws letters from a generator seeded by
 `seed`. Step `s` "accepts" `s % (k + 1)` of its `k` drafts and so emits up to `1 + s % (k + 1)`
 tokens. Each request runs in its own thread and holds one slot, counted by the gauge
-`spec_decode_slots_in_use`, until it finishes or the client cancels it.
+`spec_decode_live_sequences`, until it finishes or the client cancels it.
 """
 import json
 import threading
@@ -59,12 +59,12 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
         self.step_delay = float(params["step_delay_s"])
         self.max_draft = int(params["max_draft_tokens"])
-        family = pb_utils.MetricFamily(
-            name="spec_decode_slots_in_use",
+        self.family = pb_utils.MetricFamily(
+            name="spec_decode_live_sequences",
             description="sequences holding a slot",
             kind=pb_utils.MetricFamily.GAUGE,
         )
-        self.slots = family.Metric(labels={"model": args["model_name"]})
+        self.slots = self.family.Metric(labels={})
         self.threads = []
 
     def execute(self, requests):
@@ -86,6 +86,9 @@ class TritonPythonModel:
         self.slots.increment(1)
         try:
             self.generate(request, sender, job)
+        except Exception as exc:  # the request must still get its final response
+            error = pb_utils.TritonError(f"toy engine failed: {exc}")
+            sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         finally:
             self.slots.increment(-1)
 
@@ -118,6 +121,7 @@ class TritonPythonModel:
         drafts = accepted = 0
         finish, sent = "length", 0
         step, last = 0, int(job["ids"][-1])
+        held_back = max((len(s.encode()) - 1 for s in job["stops"]), default=0)
         while len(out) < job["max_tokens"]:
             if request.is_cancelled():
                 finish = "cancelled"
@@ -140,9 +144,10 @@ class TritonPythonModel:
                 del out[cut:], logprobs[cut:]
                 finish = "stop"
                 break
-            if job["stream"] and len(out) < job["max_tokens"]:
-                sender.send(self.response(out[sent:], logprobs[sent:], job, None))
-                sent = len(out)
+            ready = len(out) - held_back  # a stop word may still be completed by the next step
+            if job["stream"] and len(out) < job["max_tokens"] and ready > sent:
+                sender.send(self.response(out[sent:ready], logprobs[sent:ready], job, None))
+                sent = ready
         totals = {
             "num_input_tokens": len(job["ids"]),
             "num_output_tokens": len(out),

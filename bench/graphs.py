@@ -1,0 +1,82 @@
+"""Fixed-shape step wrappers for decode loops: torch.compile (reduce-overhead), captured CUDA graphs, or eager.
+
+`reduce-overhead` follows gpt-fast: `torch.compile(step, mode="reduce-overhead", fullgraph=True)` on
+steps whose input shapes never change, so inductor replays one CUDA graph per shape. `cudagraph`
+captures the eager step once with `torch.cuda.CUDAGraph` (no compile time; what a 27-layer model
+needs to fit the run). Both return outputs that live in static buffers: a caller that keeps an
+output past the next call must clone it.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+MODES = ("reduce-overhead", "cudagraph", "eager")
+Step = Callable[..., tuple[torch.Tensor, ...]]
+
+
+def place_rope(module: torch.nn.Module, device: torch.device) -> None:
+    """Move the rotary tables' `inv_freq` (a plain float32 attribute, not a buffer) to `device`.
+
+    Otherwise every step copies it from the host, which a CUDA graph capture does not allow.
+    """
+    for m in module.modules():
+        if isinstance(getattr(m, "inv_freq", None), torch.Tensor):
+            m.inv_freq = m.inv_freq.to(device)
+
+
+class CapturedStep:
+    """One CUDA graph of `step` over static copies of `example_inputs` (warmed up on a side stream)."""
+
+    def __init__(self, step: Step, example_inputs: Sequence[torch.Tensor], warmup: int = 2) -> None:
+        self.inputs = [x.clone() for x in example_inputs]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.no_grad():
+            for _ in range(warmup):
+                step(*self.inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph), torch.no_grad():
+            self.outputs = step(*self.inputs)
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        for static, given in zip(self.inputs, inputs):
+            static.copy_(given)
+        self.graph.replay()
+        return self.outputs
+
+
+class CompiledStep:
+    """`torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False)`, one call per loop step."""
+
+    def __init__(self, step: Step) -> None:
+        self.step = torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        torch.compiler.cudagraph_mark_step_begin()
+        with torch.no_grad():
+            return self.step(*inputs)
+
+
+class EagerStep:
+    def __init__(self, step: Step) -> None:
+        self.step = step
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with torch.no_grad():
+            return self.step(*inputs)
+
+
+def wrap_step(step: Step, mode: str, example_inputs: Sequence[torch.Tensor]) -> Step:
+    """The step under `mode` (one of MODES); `example_inputs` fix the shapes a captured graph takes."""
+    if mode not in MODES:
+        raise ValueError(f"graphs: unknown mode {mode!r} (expected one of {', '.join(MODES)})")
+    if mode != "eager" and not example_inputs[0].is_cuda:
+        raise ValueError(f"graphs: mode {mode!r} needs CUDA tensors; use 'eager' on CPU")
+    if mode == "cudagraph":
+        return CapturedStep(step, example_inputs)
+    if mode == "reduce-overhead":
+        return CompiledStep(step)
+    return EagerStep(step)

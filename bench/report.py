@@ -1,0 +1,182 @@
+"""Merge the benchmarks' result files into results.json + results.md (tables, targets P1-P5) and PNG plots.
+
+Every ratio comes from the one run whose files are merged. A benchmark that did not produce its file
+is listed as missing and the targets that need it read "n/a".
+
+    python -m bench.report --stages WORK_DIR --out OUT_DIR
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+STAGES = ("standalone", "hf_generate", "realistic", "triton")
+TARGETS = {  # name: (description, comparison, threshold)
+    "P1": ("best-k speculative / plain tokens/s through Triton, batch 1", ">=", 2.2),
+    "P2": ("plain through Triton / standalone compiled loop, batch 1", ">=", 0.85),
+    "P3": ("plain aggregate tokens/s at 32 streams / 1 stream", ">=", 12.0),
+    "P3-spec": ("speculative / plain aggregate tokens/s at 32 streams", ">=", 1.3),
+    "P4": ("decode-step time / floor, realistic config, selected-experts MoE", "<=", 1.3),
+    "P5": ("plain through Triton / transformers generate, batch 1", ">=", 20.0),
+}
+
+
+def load_stages(directory: Path) -> dict[str, Any]:
+    """{stage: result} for each `<stage>.json` present in `directory`."""
+    results = {}
+    for stage in STAGES:
+        path = directory / f"{stage}.json"
+        if path.is_file():
+            results[stage] = json.loads(path.read_text())
+    return results
+
+
+def _get(results: dict[str, Any], *keys: str) -> float | None:
+    value: Any = results
+    for key in keys:
+        if not isinstance(value, dict) or key not in value:
+            return None
+        value = value[key]
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def ratios(results: dict[str, Any]) -> dict[str, float | None]:
+    """The targets' ratios from one run's results (None where an input is missing)."""
+    best = str(results.get("triton", {}).get("best_k", ""))
+    plain = _get(results, "triton", "batch1", "0", "tokens_per_s")
+    return {
+        "P1": _ratio(_get(results, "triton", "batch1", best, "tokens_per_s"), plain),
+        "P2": _ratio(plain, _get(results, "standalone", "runs", "0", "tokens_per_s")),
+        "P3": _ratio(_get(results, "triton", "sweep", "plain", "32", "tokens_per_s"),
+                     _get(results, "triton", "sweep", "plain", "1", "tokens_per_s")),
+        "P3-spec": _ratio(_get(results, "triton", "sweep", "spec", "32", "tokens_per_s"),
+                          _get(results, "triton", "sweep", "plain", "32", "tokens_per_s")),
+        "P4": _get(results, "realistic", "moe", "selected", "step_over_floor"),
+        "P5": _ratio(plain, _get(results, "hf_generate", "tokens_per_s")),
+    }
+
+
+def _met(value: float | None, comparison: str, threshold: float) -> str:
+    if value is None:
+        return "n/a"
+    return "met" if (value >= threshold if comparison == ">=" else value <= threshold) else "missed"
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, list):
+        return " / ".join(f"{v:.{digits}f}" for v in value)
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def markdown(results: dict[str, Any], targets: dict[str, float | None]) -> str:
+    lines = ["# triton-mtp benchmark results", ""]
+    env = next((r["environment"] for r in results.values() if "environment" in r), {})
+    lines.append("Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()))
+    missing = [s for s in STAGES if s not in results]
+    if missing:
+        lines.append(f"Missing (the stage failed; see bench.log): {', '.join(missing)}")
+    lines += ["", "## Targets", "", "| target | what | ratio | goal | result |", "|---|---|---|---|---|"]
+    for name, (what, comparison, threshold) in TARGETS.items():
+        value = targets[name]
+        lines.append(f"| {name} | {what} | {_fmt(value)} | {comparison} {threshold} | {_met(value, comparison, threshold)} |")
+    rows = []
+    for k, r in results.get("triton", {}).get("batch1", {}).items():
+        rows.append((f"Triton k={k}", r))
+    for k, r in results.get("standalone", {}).get("runs", {}).items():
+        rows.append((f"standalone ({results['standalone']['graphs']}) k={k}", r))
+    if rows:
+        lines += ["", "## Batch 1", "", "| run | tokens/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | acceptance per position "
+                  "| mean accepted length | hops/token |", "|---|---|---|---|---|---|---|---|"]
+        for name, r in rows:
+            lines.append(f"| {name} | {_fmt(r['tokens_per_s'], 1)} | {_fmt(r['ttft']['p50_ms'])} | {_fmt(r['itl']['p50_ms'])} "
+                         f"| {_fmt(r['itl']['p99_ms'])} | {_fmt(r.get('acceptance_per_position'))} "
+                         f"| {_fmt(r.get('mean_accepted_length'))} | {_fmt(r.get('hops_per_token'))} |")
+    if "hf_generate" in results:
+        lines.append(f"| transformers generate | {_fmt(results['hf_generate']['tokens_per_s'], 1)} | - | - | - | - | - | - |")
+    sweep = results.get("triton", {}).get("sweep", {})
+    if sweep:
+        lines += ["", f"## Concurrency sweep (spec: k={results['triton'].get('best_k')})", "",
+                  "| run | streams | aggregate tokens/s | ITL p50 ms | ITL p99 ms | TTFT p50 ms | hops/token |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, levels in sweep.items():
+            for streams, r in levels.items():
+                lines.append(f"| {name} | {streams} | {_fmt(r['tokens_per_s'], 1)} | {_fmt(r['itl']['p50_ms'])} "
+                             f"| {_fmt(r['itl']['p99_ms'])} | {_fmt(r['ttft']['p50_ms'])} | {_fmt(r['hops_per_token'])} |")
+    realistic = results.get("realistic")
+    if realistic:
+        lines += ["", f"## Realistic configuration ({realistic['layers']} layers, hidden {realistic['hidden_size']}, "
+                  f"{realistic['routed_experts']} routed experts, context {realistic['context']}, {realistic['graphs']})", "",
+                  f"Copy bandwidth {realistic['copy_bandwidth_GBps']:.0f} GB/s (read + write); KV bytes {realistic['kv_bytes']}; "
+                  f"grouped_mm {'used' if realistic['grouped_mm'] else 'unavailable (gather + bmm)'}.", "",
+                  "| MoE | params touched per step | step ms | eager step ms | floor ms | step / floor |", "|---|---|---|---|---|---|"]
+        for name, r in realistic["moe"].items():
+            lines.append(f"| {name} | {r['params_touched'] / 1e9:.3f} B | {_fmt(r['step_ms'], 3)} | {_fmt(r['eager_step_ms'], 2)} "
+                         f"| {_fmt(r['floor_ms'], 3)} | {_fmt(r['step_over_floor'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(results: dict[str, Any], out: Path) -> list[Path]:
+    """sweep.png (aggregate tokens/s vs streams) and acceptance.png (per position, batch 1); none without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    written = []
+    sweep = results.get("triton", {}).get("sweep", {})
+    if sweep:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, levels in sweep.items():
+            streams = [int(s) for s in levels]
+            ax.plot(streams, [levels[str(s)]["tokens_per_s"] for s in streams], marker="o", label=name)
+        ax.set(xscale="log", xlabel="concurrent streams", ylabel="aggregate tokens/s", title="tokens/s vs concurrency")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "sweep.png", dpi=120)
+        plt.close(fig)
+        written.append(out / "sweep.png")
+    batch1 = {k: r for k, r in results.get("triton", {}).get("batch1", {}).items() if r.get("acceptance_per_position")}
+    if batch1:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for k, r in batch1.items():
+            rates = r["acceptance_per_position"]
+            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=f"k={k}")
+        ax.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1), title="acceptance per position (batch 1)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "acceptance.png", dpi=120)
+        plt.close(fig)
+        written.append(out / "acceptance.png")
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--stages", required=True, help="directory holding <stage>.json files")
+    parser.add_argument("--out", required=True, help="directory for results.json, results.md and the plots")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = load_stages(Path(args.stages))
+    targets = ratios(results)
+    (out / "results.json").write_text(json.dumps({"targets": targets, **results}, indent=2) + "\n")
+    (out / "results.md").write_text(markdown(results, targets))
+    plots(results, out)
+    for name, value in targets.items():
+        what, comparison, threshold = TARGETS[name]
+        print(f"{name}: {_fmt(value)} ({comparison} {threshold}: {_met(value, comparison, threshold)}) {what}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,247 @@
+"""Plain vs MTP speculative decoding through Triton: gRPC streaming against `spec_decode`, greedy.
+
+Uses tritonclient directly (one gRPC stream per concurrent client, one request in flight per stream).
+Measures, on held-out code prompts:
+
+1. batch 1: plain (`num_draft_tokens` 0) and k = 1..4, one stream;
+2. a concurrency sweep (1, 2, 4, ... streams) for plain and the best k of step 1.
+
+Per run: aggregate tokens/s (tokens received / wall time), TTFT, inter-token latency p50/p99
+(genai-perf's convention: a response's gap to the previous one divided by the tokens it carries),
+acceptance per position and mean accepted length (from the final responses' totals), and hops per
+emitted token (requests served by the `target` and `mtp` models, from the server's
+`nv_inference_request_success` metrics, per token received).
+
+    python -m bench.triton_bench --checkpoint DIR --repository REPO --out triton.json
+    python -m bench.triton_bench --checkpoint DIR --url 127.0.0.1:8001 --metrics-url http://127.0.0.1:8002/metrics ...
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import queue
+import re
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+from bench.common import acceptance_summary, environment, held_out_prompts, latency_summary, write_result
+
+MODEL = "spec_decode"
+HOP_MODELS = ("target", "mtp")
+RESPONSE_TIMEOUT_S = 300.0
+_SUCCESS = re.compile(r'^nv_inference_request_success\{[^}]*model="([^"]+)"[^}]*\}\s+([0-9.e+]+)', re.MULTILINE)
+
+
+@dataclass
+class RequestStats:
+    """What one streamed request gave back."""
+
+    tokens: int = 0
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+    gaps: list[float] = field(default_factory=list)  # per response after the first: seconds / tokens carried
+    total_draft_tokens: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+
+def _scalar(result: grpcclient.InferResult, name: str) -> int | None:
+    array = result.as_numpy(name)
+    return None if array is None or array.size == 0 else int(array.reshape(-1)[0])
+
+
+class StreamClient:
+    """One gRPC connection with one bidirectional stream; `generate` sends a request and reads it to the end."""
+
+    def __init__(self, url: str) -> None:
+        self.client = grpcclient.InferenceServerClient(url)
+        self.responses: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: self.responses.put((time.perf_counter(), result, error)))
+
+    def close(self) -> None:
+        self.client.stop_stream()
+        self.client.close()
+
+    def generate(self, prompt: list[int], max_tokens: int, num_draft_tokens: int, request_id: str) -> RequestStats:
+        values = {"input_ids": np.asarray(prompt, dtype=np.int32), "max_tokens": np.asarray([max_tokens], np.int32),
+                  "num_draft_tokens": np.asarray([num_draft_tokens], np.int32),
+                  "temperature": np.asarray([0.0], np.float32), "stream": np.asarray([True])}
+        inputs = []
+        for name, value in values.items():
+            tensor = grpcclient.InferInput(name, list(value.shape), {"i": "INT32", "f": "FP32", "b": "BOOL"}[value.dtype.kind])
+            tensor.set_data_from_numpy(value)
+            inputs.append(tensor)
+        stats = RequestStats()
+        sent = last = time.perf_counter()
+        self.client.async_stream_infer(MODEL, inputs, request_id=request_id, enable_empty_final_response=True)
+        while True:
+            now, result, error = self.responses.get(timeout=RESPONSE_TIMEOUT_S)
+            if error is not None:
+                raise RuntimeError(f"{MODEL} request {request_id}: {error}")
+            ids = result.as_numpy("output_ids")
+            n = 0 if ids is None else int(ids.size)
+            if n:
+                if stats.tokens == 0:
+                    stats.ttft_s = now - sent
+                else:
+                    stats.gaps.append((now - last) / n)
+                stats.tokens += n
+                last = now
+            drafts = _scalar(result, "total_draft_tokens")
+            if drafts is not None:
+                stats.total_draft_tokens = drafts
+                stats.accepted = _scalar(result, "total_accepted_draft_tokens") or 0
+                per_position = result.as_numpy("accepted_per_position")
+                stats.accepted_per_position = [] if per_position is None else per_position.astype(int).tolist()
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                stats.total_s = last - sent
+                return stats
+
+
+def hop_counts(metrics_url: str) -> dict[str, float]:
+    """`nv_inference_request_success` per model, from the server's Prometheus endpoint."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    counts: dict[str, float] = {}
+    for model, value in _SUCCESS.findall(text):
+        counts[model] = counts.get(model, 0.0) + float(value)
+    return counts
+
+
+def run_level(url: str, metrics_url: str, prompts: list[list[int]], streams: int, requests: int,
+              max_tokens: int, k: int) -> dict:
+    """`requests` requests over `streams` concurrent streams (prompts cycled); the run's summary."""
+    work = queue.Queue()
+    for i, prompt in zip(range(requests), itertools.cycle(prompts)):
+        work.put((i, prompt))
+    stats: list[RequestStats] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+    clients = [StreamClient(url) for _ in range(streams)]
+
+    def worker(client: StreamClient) -> None:
+        while True:
+            try:
+                i, prompt = work.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                s = client.generate(prompt, max_tokens, k, f"k{k}-c{streams}-{i}")
+            except Exception as exc:  # noqa: BLE001 - reported in the result and re-raised below
+                with lock:
+                    errors.append(str(exc))
+                return
+            with lock:
+                stats.append(s)
+
+    before = hop_counts(metrics_url)
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(c,)) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    after = hop_counts(metrics_url)
+    for c in clients:
+        c.close()
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {requests} requests failed at {streams} streams, k={k}: {errors[0]}")
+    tokens = sum(s.tokens for s in stats)
+    hops = sum(after.get(m, 0.0) - before.get(m, 0.0) for m in HOP_MODELS)
+    result = {
+        "num_draft_tokens": k, "streams": streams, "requests": len(stats), "output_tokens": tokens,
+        "wall_s": wall, "tokens_per_s": tokens / wall if wall else 0.0,
+        "per_stream_tokens_per_s": float(np.mean([s.tokens / s.total_s for s in stats if s.total_s])) if stats else 0.0,
+        "ttft": latency_summary([s.ttft_s for s in stats]),
+        "itl": latency_summary([g for s in stats for g in s.gaps]),
+        "hops": hops, "hops_per_token": hops / tokens if tokens else 0.0,
+    }
+    if k:
+        per_position = [sum(s.accepted_per_position[j] for s in stats if j < len(s.accepted_per_position))
+                        for j in range(k)]
+        steps_with_drafts = _drafting_steps(stats, k)
+        result.update(acceptance_summary(per_position, steps_with_drafts, sum(s.accepted for s in stats)))
+    return result
+
+
+def _drafting_steps(stats: list[RequestStats], k: int) -> int:
+    """Verify steps that carried drafts, estimated as ceil(total_draft_tokens / k) per request.
+
+    The server reports totals, not steps; every step drafts k except near max_tokens, where it drafts fewer.
+    """
+    return sum(-(-s.total_draft_tokens // k) for s in stats)
+
+
+def run(args: argparse.Namespace, url: str, metrics_url: str) -> dict:
+    prompts = held_out_prompts(args.checkpoint, args.prompts, args.prompt_tokens)
+    draft_counts = [int(k) for k in args.draft_tokens.split(",") if k]
+    result = {"benchmark": "triton", "prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
+              "max_tokens": args.max_tokens, "environment": environment(), "batch1": {}, "sweep": {}}
+    for k in [0, *draft_counts]:
+        run_level(url, metrics_url, prompts, 1, args.warmup, args.max_tokens, k)
+        level = run_level(url, metrics_url, prompts, 1, len(prompts), args.max_tokens, k)
+        result["batch1"][str(k)] = level
+        print(f"triton batch 1, k={k}: {level['tokens_per_s']:.1f} tokens/s, "
+              f"{level['hops_per_token']:.2f} hops/token", flush=True)
+    spec = {k: result["batch1"][str(k)]["tokens_per_s"] for k in draft_counts}
+    best_k = max(spec, key=spec.get) if spec else 0
+    result["best_k"] = best_k
+    for name, k in (("plain", 0), ("spec", best_k)):
+        if name == "spec" and not best_k:
+            continue
+        result["sweep"][name] = {}
+        for streams in [int(c) for c in args.concurrency.split(",") if c]:
+            requests = max(streams * args.requests_per_stream, len(prompts))
+            run_level(url, metrics_url, prompts, streams, streams, min(args.max_tokens, 16), k)  # new batch shapes
+            level = run_level(url, metrics_url, prompts, streams, requests, args.max_tokens, k)
+            result["sweep"][name][str(streams)] = level
+            print(f"triton {name} (k={k}) {streams} streams: {level['tokens_per_s']:.1f} tokens/s, "
+                  f"ITL p50 {level['itl']['p50_ms']:.2f} ms", flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--checkpoint", required=True, help="checkpoint directory the repository was exported from")
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--repository", help="model repository to serve with an embedded tritonserver")
+    target.add_argument("--url", help="gRPC address of a running server (host:port)")
+    parser.add_argument("--metrics-url", help="Prometheus endpoint of that server (with --url)")
+    parser.add_argument("--server-log", help="where the embedded server writes its log")
+    parser.add_argument("--out", required=True, help="result JSON file")
+    parser.add_argument("--draft-tokens", default="1,2,3,4")
+    parser.add_argument("--concurrency", default="1,2,4,8,16,32,64")
+    parser.add_argument("--requests-per-stream", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--warmup", type=int, default=3, help="untimed requests per k before batch 1")
+    parser.add_argument("--ready-timeout", type=float, default=600.0)
+    args = parser.parse_args(argv)
+    if args.url and not args.metrics_url:
+        parser.error("--metrics-url is required with --url")
+    with contextlib.ExitStack() as stack:
+        if args.repository:
+            from triton_mtp.serving.server import TritonServer, free_ports
+
+            grpc_port, http_port, metrics_port = free_ports(3)
+            server = TritonServer(args.repository, grpc_port, http_port, metrics_port, log_path=args.server_log)
+            server.start()
+            stack.callback(server.stop)
+            server.wait_ready(args.ready_timeout)
+            url, metrics_url = server.grpc_url, server.metrics_url
+        else:
+            url, metrics_url = args.url, args.metrics_url
+        write_result(args.out, run(args, url, metrics_url))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

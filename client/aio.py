@@ -1,0 +1,105 @@
+"""asyncio client of `spec_decode`.
+
+    async with AsyncClient("localhost:8001") as client:
+        completion = await client.generate("def fib(n):", max_tokens=32)
+        async for item in client.stream("def fib(n):", max_tokens=32):
+            ...  # Delta per response, then the Completion
+
+One client serves any number of concurrent requests (tasks) of its event loop. Cancelling the task,
+leaving `async for` early or passing the timeout cancels the request on the server, which frees its
+slot.
+"""
+from __future__ import annotations
+
+from typing import AsyncIterator, Sequence
+
+from .transport import GrpcTransport, HttpTransport
+from .types import Completion, CompletionBuilder, Delta, GenerateRequest
+
+PROTOCOLS = {"grpc": GrpcTransport, "http": HttpTransport}
+DEFAULT_URLS = {"grpc": "localhost:8001", "http": "localhost:8000"}
+
+
+class AsyncClient:
+    """`url` is `host:port` (gRPC port for "grpc", HTTP port for "http"); `timeout` in seconds applies
+    to each request, None waits forever."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        protocol: str = "grpc",
+        timeout: float | None = None,
+        model: str = "spec_decode",
+    ) -> None:
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+        self.url = url or DEFAULT_URLS[protocol]
+        self.protocol, self.timeout, self.model = protocol, timeout, model
+        self.transport = PROTOCOLS[protocol](self.url, model)
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        input_ids: Sequence[int] | None = None,
+        max_tokens: int = 64,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        num_draft_tokens: int | None = None,
+        stop: Sequence[str] | None = None,
+        return_logprobs: bool = False,
+        timeout: float | None = None,
+    ) -> Completion:
+        """One completion in one response (the model's `stream` off)."""
+        request = GenerateRequest(
+            prompt, input_ids, max_tokens, temperature, top_p, top_k, seed, num_draft_tokens, stop, return_logprobs
+        )
+        builder = CompletionBuilder(self.url)
+        async for response in self.transport.responses(request, self.request_timeout(timeout)):
+            builder.add(response)
+        return builder.build()
+
+    async def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        input_ids: Sequence[int] | None = None,
+        max_tokens: int = 64,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        num_draft_tokens: int | None = None,
+        stop: Sequence[str] | None = None,
+        return_logprobs: bool = False,
+        timeout: float | None = None,
+    ) -> AsyncIterator[Delta | Completion]:
+        """Yield a `Delta` per decoding step as the server sends it, then the `Completion`."""
+        request = GenerateRequest(
+            prompt, input_ids, max_tokens, temperature, top_p, top_k, seed, num_draft_tokens, stop, return_logprobs,
+            stream=True,
+        )
+        builder = CompletionBuilder(self.url)
+        responses = self.transport.responses(request, self.request_timeout(timeout))
+        try:
+            async for response in responses:
+                delta = builder.add(response)
+                if delta.ids or delta.text:
+                    yield delta
+        finally:
+            await responses.aclose()
+        yield builder.build()
+
+    def request_timeout(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+    async def close(self) -> None:
+        await self.transport.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()

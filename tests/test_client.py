@@ -1,0 +1,221 @@
+"""The client library against a real tritonserver: sync and asyncio, gRPC and HTTP, streaming,
+cancellation, timeouts and typed errors.
+
+The server runs tests/models/toy_spec_decode, which has the public `spec_decode` interface over a
+fake engine and counts live sequences in the gauge `spec_decode_live_sequences`.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from triton_mtp.client import (
+    Acceptance,
+    AsyncClient,
+    Client,
+    Completion,
+    Delta,
+    GenerateTimeoutError,
+    InvalidArgumentError,
+    ServerUnreachableError,
+    UnavailableError,
+)
+from triton_mtp.serving.server import free_port
+
+PROTOCOLS = ["grpc", "http"]
+LIVE = "spec_decode_live_sequences"
+LONG = 100_000  # max_tokens of a request that only ends when cancelled
+
+
+@pytest.fixture(scope="module")
+def server(toy_spec_decode_server):
+    return toy_spec_decode_server
+
+
+def url_of(server, protocol: str) -> str:
+    return server.grpc_url if protocol == "grpc" else server.http_url
+
+
+def gauge(server, name: str) -> float:
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.split("{")[0].split(" ")[0] == name)
+
+
+def wait_for_gauge(server, name: str, value: float, within_s: float = 20.0) -> None:
+    deadline = time.monotonic() + within_s
+    while gauge(server, name) != value:
+        assert time.monotonic() < deadline, f"{name} stayed at {gauge(server, name)}, expected {value}"
+        time.sleep(0.05)
+
+
+async def async_generate(url: str, protocol: str, stream: bool, **request) -> Completion:
+    async with AsyncClient(url, protocol=protocol, timeout=60) as client:
+        if not stream:
+            return await client.generate(**request)
+        items = [item async for item in client.stream(**request)]
+        return items[-1]
+
+
+def sync_generate(url: str, protocol: str, stream: bool, **request) -> Completion:
+    with Client(url, protocol=protocol, timeout=60) as client:
+        return list(client.stream(**request))[-1] if stream else client.generate(**request)
+
+
+def test_greedy_ids_are_identical_for_sync_async_grpc_http_stream_and_not(server):
+    request = {"prompt": "def main():", "max_tokens": 23, "num_draft_tokens": 3}
+    results = {}
+    for protocol in PROTOCOLS:
+        url = url_of(server, protocol)
+        for stream in (False, True):
+            results[protocol, "sync", stream] = sync_generate(url, protocol, stream, **request)
+            results[protocol, "async", stream] = asyncio.run(async_generate(url, protocol, stream, **request))
+    reference = results["grpc", "sync", False]
+    assert len(reference.ids) == 23 and reference.finish_reason == "length"
+    for key, completion in results.items():
+        assert completion.ids == reference.ids, key
+        assert completion.text == reference.text, key
+        assert completion.usage == reference.usage, key
+        assert completion.acceptance == reference.acceptance, key
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_stream_yields_each_steps_tokens_then_the_completion(server, protocol):
+    with Client(url_of(server, protocol), protocol=protocol, timeout=60) as client:
+        items = list(client.stream(input_ids=[104, 105], max_tokens=12, return_logprobs=True))
+        whole = client.generate(input_ids=[104, 105], max_tokens=12, return_logprobs=True)
+    *deltas, completion = items
+    assert len(deltas) > 1 and all(isinstance(d, Delta) and d.ids for d in deltas)
+    assert isinstance(completion, Completion)
+    assert [i for d in deltas for i in d.ids] == completion.ids == whole.ids
+    assert "".join(d.text for d in deltas) == completion.text
+    assert completion.logprobs == whole.logprobs and len(completion.logprobs) == 12
+    assert completion.usage.input_tokens == 2 and completion.usage.output_tokens == 12
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_request_options_reach_the_server(server, protocol):
+    with Client(url_of(server, protocol), protocol=protocol, timeout=60) as client:
+        by_text = client.generate("hi", max_tokens=10)
+        by_ids = client.generate(input_ids=list(b"hi"), max_tokens=10)
+        stopped = client.generate("hi", max_tokens=40, stop=[by_text.text[5:7]])
+        seeded = [client.generate("hi", max_tokens=10, temperature=1.0, seed=s).ids for s in (1, 1, 2)]
+        no_drafts = client.generate("hi", max_tokens=10, num_draft_tokens=0)
+    assert by_ids.ids == by_text.ids
+    assert stopped.finish_reason == "stop" and stopped.text == by_text.text[:5]
+    assert seeded[0] == seeded[1] != seeded[2]
+    assert no_drafts.ids == by_text.ids and no_drafts.acceptance.draft_tokens == 0
+    assert no_drafts.acceptance.acceptance_rate is None
+
+
+def test_acceptance_figures_follow_the_vllm_conventions():
+    stats = Acceptance(draft_tokens=12, accepted_draft_tokens=5, accepted_per_position=[3, 2, 0])
+    assert stats.steps == 4
+    assert stats.acceptance_rate == pytest.approx(5 / 12)
+    assert stats.mean_accepted_length == pytest.approx(1 + 5 / 4)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_leaving_a_sync_stream_early_frees_its_slot(server, protocol):
+    wait_for_gauge(server, LIVE, 0)
+    with Client(url_of(server, protocol), protocol=protocol, timeout=60) as client:
+        for _ in client.stream("hi", max_tokens=LONG):
+            assert gauge(server, LIVE) == 1
+            break
+        wait_for_gauge(server, LIVE, 0)
+        assert len(client.generate("hi", max_tokens=3).ids) == 3
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_cancelling_an_async_task_frees_its_slot(server, protocol):
+    async def scenario() -> None:
+        async with AsyncClient(url_of(server, protocol), protocol=protocol, timeout=60) as client:
+            started = asyncio.Event()
+
+            async def consume() -> None:
+                async for _ in client.stream("hi", max_tokens=LONG):
+                    started.set()
+
+            task = asyncio.create_task(consume())
+            await asyncio.wait_for(started.wait(), 30)
+            assert gauge(server, LIVE) == 1
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.to_thread(wait_for_gauge, server, LIVE, 0)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_timeout_raises_and_frees_the_slot(server, protocol):
+    with Client(url_of(server, protocol), protocol=protocol, timeout=0.5) as client:
+        with pytest.raises(GenerateTimeoutError, match="timed out after 0.5s"):
+            client.generate("hi", max_tokens=LONG)
+        with pytest.raises(TimeoutError):
+            list(client.stream("hi", max_tokens=LONG))
+    wait_for_gauge(server, LIVE, 0)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_invalid_argument_carries_the_servers_message(server, protocol):
+    with Client(url_of(server, protocol), protocol=protocol, timeout=60) as client:
+        with pytest.raises(InvalidArgumentError, match="max_tokens must be positive, got 0"):
+            client.generate("hi", max_tokens=0)
+        with pytest.raises(InvalidArgumentError, match="num_draft_tokens"):
+            list(client.stream("hi", max_tokens=5, num_draft_tokens=99))
+        assert len(client.generate("hi", max_tokens=2).ids) == 2
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_unknown_model_is_unavailable(server, protocol):
+    with Client(url_of(server, protocol), protocol=protocol, timeout=60, model="no_such_model") as client:
+        with pytest.raises(UnavailableError, match="no_such_model"):
+            client.generate("hi", max_tokens=2)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_connection_refused_names_the_url(protocol):
+    url = f"127.0.0.1:{free_port()}"
+    with Client(url, protocol=protocol, timeout=10) as client:
+        with pytest.raises(ServerUnreachableError, match=url) as raised:
+            client.generate("hi", max_tokens=2)
+    assert raised.value.url == url
+
+
+def test_bad_arguments_are_refused_before_sending():
+    with pytest.raises(ValueError, match="protocol"):
+        Client("localhost:1", protocol="udp")
+    with Client("localhost:1") as client:
+        with pytest.raises(ValueError, match="prompt or input_ids"):
+            client.generate("hi", input_ids=[1])
+        with pytest.raises(ValueError, match="stop must be a list"):
+            client.generate("hi", stop="\n")
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_one_sync_client_serves_concurrent_threads(server, protocol):
+    prompts = [f"prompt {i}" for i in range(8)]
+    with Client(url_of(server, protocol), protocol=protocol, timeout=60) as client:
+        alone = [client.generate(p, max_tokens=15).ids for p in prompts]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(lambda p: [*client.stream(p, max_tokens=15)][-1].ids, prompts))
+    assert together == alone
+    assert len({tuple(ids) for ids in alone}) > 1
+
+
+def test_one_async_client_serves_concurrent_tasks(server):
+    prompts = [f"prompt {i}" for i in range(8)]
+
+    async def scenario() -> tuple[list, list]:
+        async with AsyncClient(server.grpc_url, timeout=60) as client:
+            alone = [(await client.generate(p, max_tokens=15)).ids for p in prompts]
+            together = await asyncio.gather(*(client.generate(p, max_tokens=15) for p in prompts))
+            return alone, [c.ids for c in together]
+
+    alone, together = asyncio.run(scenario())
+    assert together == alone
