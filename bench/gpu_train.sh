@@ -16,4 +16,4 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "transformer
       "tokenizers", tokenizers.__version__, "cuda", torch.cuda.is_available(), flush=True)
 PY
 python -P -m triton_mtp.cli train --out "$OUT/tiny-dsv3-mtp" --device cuda \
-    --steps 2400 --batch-size 32 --lr 2e-3 --eval-every 200 --time-budget 360 "$@" 2>&1 | tee "$OUT/train_stdout.log"
+    --time-budget 360 "$@" 2>&1 | tee "$OUT/train_stdout.log"

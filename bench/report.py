@@ -114,7 +114,7 @@ def markdown(results: dict[str, Any], targets: dict[str, float | None]) -> str:
     if realistic:
         lines += ["", f"## Realistic configuration ({realistic['layers']} layers, hidden {realistic['hidden_size']}, "
                   f"{realistic['routed_experts']} routed experts, context {realistic['context']}, {realistic['graphs']})", "",
-                  f"Copy bandwidth {realistic['copy_bandwidth_GBps']:.0f} GB/s (read + write); KV bytes {realistic['kv_bytes']}; "
+                  f"Copy bandwidth {realistic["copy_bandwidth_GBps"]:.1f} GB/s (read + write); KV bytes {realistic['kv_bytes']}; "
                   f"grouped_mm {'used' if realistic['grouped_mm'] else 'unavailable (gather + bmm)'}.", "",
                   "| MoE | params touched per step | step ms | eager step ms | floor ms | step / floor |", "|---|---|---|---|---|---|"]
         for name, r in realistic["moe"].items():

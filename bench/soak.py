@@ -128,7 +128,7 @@ def run_one(client: grpcclient.InferenceServerClient, request: SoakRequest, stre
     result = StreamResult(request)
     arrived: queue.Queue = queue.Queue()
     start = time.monotonic()
-    client.start_stream(callback=lambda response, error: arrived.put((response, error)))
+    client.start_stream(callback=lambda result, error: arrived.put((result, error)))
     try:
         client.async_stream_infer("spec_decode", request.inputs(stream), request_id=str(request.index),
                                   enable_empty_final_response=True)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bench.common import acceptance_summary, environment, held_out_prompts, latency_summary, synchronize, write_result
-from bench.graphs import MODES, wrap_step
+from bench.graphs import MODES, place_rope, wrap_step
 from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.export.model import DeepseekV3MTP, DeepseekV3Target
 from triton_mtp.serving.rejection import verify
@@ -56,6 +56,9 @@ class StandaloneDecoder:
         self.slot = torch.zeros(1, dtype=torch.long, device=self.device)  # [1]
         self.greedy = torch.ones(1, dtype=torch.bool, device=self.device)  # [1]
         self.params = SamplingParams.from_requests([0.0], [0], [1.0], self.device)
+        place_rope(target, self.device)
+        if mtp is not None:
+            place_rope(mtp, self.device)
         one = self._ids(1), self._positions(-1, 1), self.slot
         window = self._ids(self.width), self._positions(-1, self.width), self.slot
         self.decode = wrap_step(target, mode, one)

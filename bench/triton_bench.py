@@ -22,6 +22,8 @@ import contextlib
 import itertools
 import queue
 import re
+import signal
+import sys
 import threading
 import time
 import urllib.request
@@ -227,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.url and not args.metrics_url:
         parser.error("--metrics-url is required with --url")
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # stop the server on timeout
     with contextlib.ExitStack() as stack:
         if args.repository:
             from triton_mtp.serving.server import TritonServer, free_ports

@@ -117,8 +117,9 @@ class HttpTransport:
 
 
 def error_text(body: str) -> str:
-    """The `error` field of Triton's JSON error body, or the body itself."""
+    """The `error` field of Triton's JSON error body (an SSE `data:` event on /generate_stream)."""
+    body = body.strip()
     try:
-        return str(json.loads(body)["error"])
+        return str(json.loads(body.removeprefix("data:"))["error"])
     except (ValueError, KeyError, TypeError):
-        return body.strip()
+        return body

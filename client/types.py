@@ -1,9 +1,11 @@
 """Requests and results of `spec_decode`, independent of the protocol that carries them.
 
-Vocabulary (as in vLLM): each decoding step proposes `k` draft tokens; the target accepts a prefix of
-them and adds one token of its own (a recovered or bonus token). The acceptance rate is
-accepted / drafted; the mean accepted length, 1 + accepted / steps, counts the target's token too,
-so it is the number of tokens a step emits on average.
+Vocabulary (as in vLLM): prefill emits the first token; then each decoding step proposes up to `k`
+draft tokens, the target accepts a prefix of them and adds one token of its own (a recovered or
+bonus token). The acceptance rate is accepted / drafted; the mean accepted length,
+1 + accepted / steps, counts the target's token too, so it is the tokens a step emits on average.
+The responses do not count steps; every step emits its accepted drafts plus one token, so
+steps = output tokens - 1 - accepted (fewer output tokens when a stop word trimmed the text).
 """
 from __future__ import annotations
 
@@ -117,11 +119,7 @@ class Acceptance:
     draft_tokens: int
     accepted_draft_tokens: int
     accepted_per_position: list[int]
-
-    @property
-    def steps(self) -> int:
-        k = len(self.accepted_per_position)
-        return self.draft_tokens // k if k else 0
+    steps: int
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -129,7 +127,7 @@ class Acceptance:
 
     @property
     def mean_accepted_length(self) -> float | None:
-        return 1 + self.accepted_draft_tokens / self.steps if self.steps else None
+        return 1 + self.accepted_draft_tokens / self.steps if self.draft_tokens and self.steps > 0 else None
 
 
 @dataclass(frozen=True)
@@ -186,15 +184,18 @@ class CompletionBuilder:
         if missing:
             raise ServerError(f"the final response lacks {', '.join(missing)}", self.url)
         with_logprobs = [d.logprobs for d in self.deltas if d.logprobs is not None]
+        output_tokens = int(self.totals["num_output_tokens"])
+        accepted = int(self.totals["total_accepted_draft_tokens"])
         return Completion(
             text="".join(d.text for d in self.deltas),
             ids=[i for d in self.deltas for i in d.ids],
             logprobs=[p for lp in with_logprobs for p in lp] if with_logprobs else None,
             finish_reason=self.totals["finish_reason"],
-            usage=Usage(int(self.totals["num_input_tokens"]), int(self.totals["num_output_tokens"])),
+            usage=Usage(int(self.totals["num_input_tokens"]), output_tokens),
             acceptance=Acceptance(
                 draft_tokens=int(self.totals["total_draft_tokens"]),
-                accepted_draft_tokens=int(self.totals["total_accepted_draft_tokens"]),
+                accepted_draft_tokens=accepted,
                 accepted_per_position=[int(n) for n in self.totals.get("accepted_per_position", [])],
+                steps=output_tokens - 1 - accepted,
             ),
         )

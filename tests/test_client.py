@@ -1,8 +1,10 @@
 """The client library against a real tritonserver: sync and asyncio, gRPC and HTTP, streaming,
 cancellation, timeouts and typed errors.
 
-The server runs tests/models/toy_spec_decode, which has the public `spec_decode` interface over a
-fake engine and counts live sequences in the gauge `spec_decode_live_sequences`.
+`engine` serves the real `spec_decode` (the tiny DeepSeek-V3 of tests/tiny_config.py, exported);
+`server` serves tests/models/toy_spec_decode, the public interface over a fake engine whose requests
+can run for as long as a test needs. Both count live sequences in `spec_decode_live_sequences` and
+finished requests in `spec_decode_finished_requests{reason}`.
 """
 from __future__ import annotations
 
@@ -28,7 +30,10 @@ from triton_mtp.serving.server import free_port
 
 PROTOCOLS = ["grpc", "http"]
 LIVE = "spec_decode_live_sequences"
-LONG = 100_000  # max_tokens of a request that only ends when cancelled
+CANCELLED = 'spec_decode_finished_requests{reason="cancelled"}'
+LONG = 100_000  # max_tokens of a toy request that only ends when cancelled
+ENGINE_SLOTS = 4
+ENGINE_MAX_SEQ_LEN = 64
 
 
 @pytest.fixture(scope="module")
@@ -36,20 +41,39 @@ def server(toy_spec_decode_server):
     return toy_spec_decode_server
 
 
+@pytest.fixture(scope="module")
+def engine(triton_server_for, drafting_checkpoint, tmp_path_factory):
+    from test_spec_decode import word_tokenizer
+
+    from triton_mtp.export.repository import write_repository
+
+    word_tokenizer(drafting_checkpoint / "tokenizer.json")
+    repo = tmp_path_factory.mktemp("client_engine_repository")
+    write_repository(drafting_checkpoint, repo, fmt="torchscript", max_slots=ENGINE_SLOTS,
+                     max_seq_len=ENGINE_MAX_SEQ_LEN, max_draft_tokens=4, default_num_draft_tokens=2,
+                     max_queue_size=16, progress=False, log=lambda line: None)
+    return triton_server_for(repo)
+
+
 def url_of(server, protocol: str) -> str:
     return server.grpc_url if protocol == "grpc" else server.http_url
 
 
-def gauge(server, name: str) -> float:
+def metrics(server) -> dict[str, float]:
+    """Series (name with labels) -> value, from the server's Prometheus endpoint."""
     with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
         lines = response.read().decode().splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.split("{")[0].split(" ")[0] == name)
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if line and line[0] != "#"}
 
 
-def wait_for_gauge(server, name: str, value: float, within_s: float = 20.0) -> None:
+def gauge(server, series: str) -> float:
+    return metrics(server)[series]
+
+
+def wait_for(server, series: str, value: float, within_s: float = 20.0) -> None:
     deadline = time.monotonic() + within_s
-    while gauge(server, name) != value:
-        assert time.monotonic() < deadline, f"{name} stayed at {gauge(server, name)}, expected {value}"
+    while gauge(server, series) != value:
+        assert time.monotonic() < deadline, f"{series} stayed at {gauge(server, series)}, expected {value}"
         time.sleep(0.05)
 
 
@@ -66,16 +90,17 @@ def sync_generate(url: str, protocol: str, stream: bool, **request) -> Completio
         return list(client.stream(**request))[-1] if stream else client.generate(**request)
 
 
-def test_greedy_ids_are_identical_for_sync_async_grpc_http_stream_and_not(server):
-    request = {"prompt": "def main():", "max_tokens": 23, "num_draft_tokens": 3}
+def test_greedy_ids_are_identical_for_sync_async_grpc_http_stream_and_not(engine):
+    request = {"input_ids": [9, 10, 11], "max_tokens": 24, "num_draft_tokens": 3}
     results = {}
     for protocol in PROTOCOLS:
-        url = url_of(server, protocol)
+        url = url_of(engine, protocol)
         for stream in (False, True):
             results[protocol, "sync", stream] = sync_generate(url, protocol, stream, **request)
             results[protocol, "async", stream] = asyncio.run(async_generate(url, protocol, stream, **request))
     reference = results["grpc", "sync", False]
-    assert len(reference.ids) == 23 and reference.finish_reason == "length"
+    assert len(reference.ids) == 24 and reference.finish_reason == "length"
+    assert reference.acceptance.accepted_draft_tokens > 0
     for key, completion in results.items():
         assert completion.ids == reference.ids, key
         assert completion.text == reference.text, key
@@ -95,6 +120,7 @@ def test_stream_yields_each_steps_tokens_then_the_completion(server, protocol):
     assert "".join(d.text for d in deltas) == completion.text
     assert completion.logprobs == whole.logprobs and len(completion.logprobs) == 12
     assert completion.usage.input_tokens == 2 and completion.usage.output_tokens == 12
+    assert completion.acceptance.steps == len(deltas) - 1  # one response for prefill, one per step
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
@@ -113,42 +139,49 @@ def test_request_options_reach_the_server(server, protocol):
 
 
 def test_acceptance_figures_follow_the_vllm_conventions():
-    stats = Acceptance(draft_tokens=12, accepted_draft_tokens=5, accepted_per_position=[3, 2, 0])
-    assert stats.steps == 4
+    stats = Acceptance(draft_tokens=12, accepted_draft_tokens=5, accepted_per_position=[3, 2, 0], steps=4)
     assert stats.acceptance_rate == pytest.approx(5 / 12)
     assert stats.mean_accepted_length == pytest.approx(1 + 5 / 4)
+    no_drafts = Acceptance(draft_tokens=0, accepted_draft_tokens=0, accepted_per_position=[], steps=9)
+    assert no_drafts.acceptance_rate is None and no_drafts.mean_accepted_length is None
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_leaving_a_sync_stream_early_frees_its_slot(server, protocol):
-    wait_for_gauge(server, LIVE, 0)
-    with Client(url_of(server, protocol), protocol=protocol, timeout=60) as client:
-        for _ in client.stream("hi", max_tokens=LONG):
-            assert gauge(server, LIVE) == 1
+def test_leaving_a_sync_stream_early_frees_its_slot(engine, protocol):
+    before = gauge(engine, CANCELLED)
+    request = {"input_ids": [9, 10], "max_tokens": ENGINE_MAX_SEQ_LEN - 4, "num_draft_tokens": 0}
+    with Client(url_of(engine, protocol), protocol=protocol, timeout=60) as client:
+        for _ in client.stream(**request):
             break
-        wait_for_gauge(server, LIVE, 0)
-        assert len(client.generate("hi", max_tokens=3).ids) == 3
+        wait_for(engine, CANCELLED, before + 1)
+        wait_for(engine, LIVE, 0)
+        assert gauge(engine, "spec_decode_free_slots") == ENGINE_SLOTS
+        assert client.generate(**request).usage.output_tokens == request["max_tokens"]
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_cancelling_an_async_task_frees_its_slot(server, protocol):
+def test_cancelling_an_async_task_frees_its_slot(engine, protocol):
+    before = gauge(engine, CANCELLED)
+
     async def scenario() -> None:
-        async with AsyncClient(url_of(server, protocol), protocol=protocol, timeout=60) as client:
+        async with AsyncClient(url_of(engine, protocol), protocol=protocol, timeout=60) as client:
             started = asyncio.Event()
 
             async def consume() -> None:
-                async for _ in client.stream("hi", max_tokens=LONG):
+                async for _ in client.stream(input_ids=[9, 10], max_tokens=ENGINE_MAX_SEQ_LEN - 4, num_draft_tokens=0):
                     started.set()
+                    await asyncio.sleep(3600)  # cancelled here, inside the loop body
 
             task = asyncio.create_task(consume())
             await asyncio.wait_for(started.wait(), 30)
-            assert gauge(server, LIVE) == 1
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            await asyncio.to_thread(wait_for_gauge, server, LIVE, 0)
+            await asyncio.to_thread(wait_for, engine, CANCELLED, before + 1)
 
     asyncio.run(scenario())
+    wait_for(engine, LIVE, 0)
+    assert gauge(engine, "spec_decode_free_slots") == ENGINE_SLOTS
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
@@ -158,14 +191,15 @@ def test_timeout_raises_and_frees_the_slot(server, protocol):
             client.generate("hi", max_tokens=LONG)
         with pytest.raises(TimeoutError):
             list(client.stream("hi", max_tokens=LONG))
-    wait_for_gauge(server, LIVE, 0)
+    wait_for(server, LIVE, 0)
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_invalid_argument_carries_the_servers_message(server, protocol):
     with Client(url_of(server, protocol), protocol=protocol, timeout=60) as client:
-        with pytest.raises(InvalidArgumentError, match="max_tokens must be positive, got 0"):
+        with pytest.raises(InvalidArgumentError) as raised:
             client.generate("hi", max_tokens=0)
+        assert raised.value.message == "max_tokens must be positive, got 0"
         with pytest.raises(InvalidArgumentError, match="num_draft_tokens"):
             list(client.stream("hi", max_tokens=5, num_draft_tokens=99))
         assert len(client.generate("hi", max_tokens=2).ids) == 2

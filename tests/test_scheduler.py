@@ -104,7 +104,8 @@ def test_draft_distributions_equal_the_mtp_run_over_the_whole_sequence_in_an_emp
         result = real_mtp(batch)
         for b, slot in enumerate(batch.slot_ids.tolist()):  # slot i serves request i here
             n = int(batch.positions[b].max()) + 2  # sequence length when drafting
-            hops.append((slot, n, result.draft_ids[b].tolist(), result.draft_probs[b]))  # draft_probs [K, V]
+            k = int(batch.num_draft[b])
+            hops.append((slot, n, result.draft_ids[b, :k].tolist(), result.draft_probs[b, :k]))  # probs [k, V]
         return result
 
     engine._hops.mtp = recording

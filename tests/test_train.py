@@ -113,3 +113,17 @@ def test_saved_checkpoint_serves_what_training_computes(corpus, tmp_path):
             # the same attention without the unwritten cache positions below k - 1
             logits, hidden = mtp(tokens[:, k:], hidden[:, :n], torch.arange(n)[None], slot, k - 1)
             torch.testing.assert_close(logits, expected[k], atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["train", "--out", "OUT", "--corpus-root", "/no/such/lib"], "/no/such/lib"),
+    (["train", "--out", "OUT", "--vocab-size", "100"], "--vocab-size"),
+    (["train", "--out", "OUT", "--steps", "0"], "--steps"),
+    (["eval-acceptance", "--checkpoint", "/no/such/ckpt"], "/no/such/ckpt/tokenizer.json"),
+])
+def test_bad_input_is_a_one_line_error_naming_the_field(argv, named, tmp_path):
+    from triton_mtp.cli import main
+    with pytest.raises(SystemExit) as exc:
+        main([str(tmp_path) if a == "OUT" else a for a in argv])
+    message = str(exc.value)
+    assert named in message and "\n" not in message

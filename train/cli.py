@@ -10,8 +10,12 @@ from pathlib import Path
 import torch
 
 from triton_mtp.train.loop import TrainSettings, measure_step_seconds, prepare_corpus, train
+from triton_mtp.train.tokenizer import SPECIAL_TOKENS
 
 _DEFAULTS = TrainSettings()
+_POSITIVE = ("steps", "batch_size", "seq_len", "lr", "warmup_steps", "eval_every", "eval_windows", "log_every",
+             "max_files")
+MIN_VOCAB = 256 + len(SPECIAL_TOKENS)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,10 +36,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     settings = TrainSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainSettings)})
-    for name, value in dataclasses.asdict(settings).items():
-        if value is not None and value <= 0 and name != "seed":
+    for name in _POSITIVE:
+        value = getattr(settings, name)
+        if value is not None and value <= 0:
             raise SystemExit(f"triton-mtp train: --{name.replace('_', '-')} must be positive, got {value}")
-    corpus = prepare_corpus(settings, args.corpus_root)
+    if settings.vocab_size < MIN_VOCAB:
+        raise SystemExit(f"triton-mtp train: --vocab-size must be at least {MIN_VOCAB} (bytes + specials)")
+    try:
+        corpus = prepare_corpus(settings, args.corpus_root)
+    except (FileNotFoundError, ValueError) as exc:
+        raise SystemExit(f"triton-mtp train: {exc}") from None
     print(json.dumps({"corpus": corpus.stats()}), flush=True)
     if args.time_budget is not None:
         seconds = measure_step_seconds(settings, corpus, args.device)

@@ -27,19 +27,22 @@ FP32_KEYS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")  # kept floa
 
 @dataclasses.dataclass(frozen=True)
 class TrainSettings:
-    """Everything that determines a run; with the same corpus, the same settings give the same model."""
+    """Everything that determines a run; with the same corpus, the same settings give the same model.
 
-    steps: int = 3000
-    batch_size: int = 64
+    The defaults are the settings of the bundled checkpoint's run.
+    """
+
+    steps: int = 2400
+    batch_size: int = 32
     seq_len: int = 512
-    lr: float = 3e-3
+    lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 100
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     seed: int = 0
     vocab_size: int = 8192
-    eval_every: int = 250
+    eval_every: int = 200
     eval_windows: int = 128
     log_every: int = 10
     max_files: int | None = None  # first N files of each split (smoke runs); None = all
@@ -81,7 +84,7 @@ def _stream(tokenizer: Tokenizer, texts: list[str]) -> torch.Tensor:
 def sample_windows(ids: torch.Tensor, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
     """`batch` random windows of `length` tokens from the stream `ids` -> [batch, length]."""
     if ids.numel() <= length:
-        raise ValueError(f"corpus split has {ids.numel()} tokens, fewer than one window of {length + 1}")
+        raise ValueError(f"train split: {ids.numel()} tokens, not more than one window of {length}")
     starts = torch.randint(0, ids.numel() - length, (batch, 1), generator=generator)  # B, 1
     return ids[starts + torch.arange(length)]  # B, L
 
@@ -89,7 +92,7 @@ def sample_windows(ids: torch.Tensor, batch: int, length: int, generator: torch.
 def held_out_windows(ids: torch.Tensor, count: int, length: int) -> torch.Tensor:
     """`count` evenly spaced windows of the held-out stream -> [count, length] (the same every run)."""
     if ids.numel() <= length:
-        raise ValueError(f"held-out split has {ids.numel()} tokens, fewer than one window of {length + 1}")
+        raise ValueError(f"held-out split: {ids.numel()} tokens, not more than one window of {length}")
     starts = torch.linspace(0, ids.numel() - length - 1, count).long().unsqueeze(1)  # count, 1
     return ids[starts + torch.arange(length)]  # count, L
 
@@ -111,8 +114,8 @@ class Trainer:
         self.config_dict = bundled_model_config(corpus.tokenizer.get_vocab_size())
         self.model = TrainingModel(DeepseekV3Config(**self.config_dict)).to(self.device)
         self.balancer = LoadBalancer(self.model)
-        decay = [p for n, p in self.model.named_parameters() if p.ndim >= 2]
-        no_decay = [p for n, p in self.model.named_parameters() if p.ndim < 2]
+        decay = [p for p in self.model.parameters() if p.ndim >= 2]  # matrices; not norms
+        no_decay = [p for p in self.model.parameters() if p.ndim < 2]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=settings.lr, betas=(0.9, 0.95),

@@ -4,7 +4,7 @@
         --out runs/loadtest [-- extra perf_analyzer arguments]
 
 For each draft length k the input data (`--input-data`, perf_analyzer's JSON format with `text_input`,
-`max_tokens`, `num_draft_tokens`) is rewritten with `num_draft_tokens = k` into `OUT/inputs_k{k}.json`;
+`max_tokens`, `num_draft_tokens`) is rewritten with `num_draft_tokens = k` (and `--max-tokens`) into `OUT/inputs_k{k}.json`;
 for each concurrency c one perf_analyzer run writes `OUT/k{k}_c{c}.csv`. `OUT/summary.csv` joins
 their rows with `num_draft_tokens` in front. k = 0 is plain decoding through the same model.
 Standard library only: it runs in the tritonserver SDK image as well as next to an embedded server.
@@ -32,8 +32,8 @@ def int_list(text: str) -> list[int]:
     return values
 
 
-def inputs_with_draft_tokens(template: dict, num_draft_tokens: int, source: Path) -> dict:
-    """The input data with every entry's `num_draft_tokens` set to `[num_draft_tokens]`."""
+def sweep_inputs(template: dict, num_draft_tokens: int, max_tokens: int | None, source: Path) -> dict:
+    """The input data with every entry's `num_draft_tokens` (and `max_tokens` unless None) replaced."""
     entries = template.get("data")
     if not isinstance(entries, list) or not entries:
         raise SystemExit(f"sweep: {source}: 'data' must be a non-empty list of requests")
@@ -42,6 +42,8 @@ def inputs_with_draft_tokens(template: dict, num_draft_tokens: int, source: Path
         if not isinstance(entry, dict) or "max_tokens" not in entry:
             raise SystemExit(f"sweep: {source}: data[{index}] has no 'max_tokens'")
         rewritten.append({**entry, "num_draft_tokens": [num_draft_tokens]})
+        if max_tokens is not None:
+            rewritten[-1]["max_tokens"] = [max_tokens]
     return {**template, "data": rewritten}
 
 
@@ -85,6 +87,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--input-data", type=Path, default=here / "spec_decode_inputs.json")
     parser.add_argument("--draft-tokens", type=int_list, default=[0, 1, 2, 4], help="e.g. 0,1,2,4")
     parser.add_argument("--concurrency", type=int_list, default=[1, 2, 4, 8], help="e.g. 1,2,4,8")
+    parser.add_argument("--max-tokens", type=int, help="replace every request's max_tokens")
     parser.add_argument("--request-count", type=int, default=64, help="requests per measurement window")
     parser.add_argument("--perf-analyzer", default="perf_analyzer", help="perf_analyzer executable")
     parser.add_argument("--out", type=Path, required=True, help="directory for inputs, reports and summary.csv")
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, str]] = []
     for k in args.draft_tokens:
         inputs = args.out / f"inputs_k{k}.json"
-        inputs.write_text(json.dumps(inputs_with_draft_tokens(template, k, args.input_data), indent=1))
+        inputs.write_text(json.dumps(sweep_inputs(template, k, args.max_tokens, args.input_data), indent=1))
         for concurrency in args.concurrency:
             report = args.out / f"k{k}_c{concurrency}.csv"
             print(f"== num_draft_tokens={k} concurrency={concurrency}", flush=True)

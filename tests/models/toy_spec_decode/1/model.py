@@ -2,9 +2,12 @@
 
 Tokens are UTF-8 bytes (vocabulary 256). Greedy decoding continues a prompt with lowercase letters,
 `next = a + (7 * prev + 3) % 26`; at temperature > 0 it draws letters from a generator seeded by
-`seed`. Step `s` "accepts" `s % (k + 1)` of its `k` drafts and so emits up to `1 + s % (k + 1)`
-tokens. Each request runs in its own thread and holds one slot, counted by the gauge
-`spec_decode_live_sequences`, until it finishes or the client cancels it.
+`seed`. Prefill emits one token; step `s >= 1` drafts `k` tokens (fewer near `max_tokens`),
+"accepts" `s % (k + 1)` of them and emits those plus one. Each request runs in its own thread and
+holds one slot, counted by the gauge `spec_decode_live_sequences`, until it finishes or the client
+cancels it; `spec_decode_finished_requests{reason}` counts finished requests, as the engine does.
+Calls into the backend (send, is_cancelled, metrics, tensors) take one lock: concurrent ones crashed
+server 2.51.
 """
 import json
 import threading
@@ -65,32 +68,47 @@ class TritonPythonModel:
             kind=pb_utils.MetricFamily.GAUGE,
         )
         self.slots = self.family.Metric(labels={})
+        self.finished_family = pb_utils.MetricFamily(
+            name="spec_decode_finished_requests",
+            description="requests finished, by finish_reason",
+            kind=pb_utils.MetricFamily.COUNTER,
+        )
+        self.finished = {r: self.finished_family.Metric(labels={"reason": r}) for r in ("length", "stop", "cancelled")}
         self.threads = []
+        self.backend = threading.Lock()
 
     def execute(self, requests):
+        with self.backend:
+            self.start(requests)
+        return None
+
+    def start(self, requests):
         for request in requests:
-            thread = threading.Thread(target=self.serve, args=(request,), daemon=True)
+            sender = request.get_response_sender()
+            try:
+                job = self.parse(request)
+            except InvalidRequest as exc:
+                error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
+                sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            thread = threading.Thread(target=self.serve, args=(request, sender, job), daemon=True)
             thread.start()
             self.threads.append(thread)
         self.threads = [t for t in self.threads if t.is_alive()]
-        return None
 
-    def serve(self, request):
-        sender = request.get_response_sender()
-        try:
-            job = self.parse(request)
-        except InvalidRequest as exc:
-            error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
-            sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-            return
-        self.slots.increment(1)
+    def serve(self, request, sender, job):
+        """Run one request; every call into the backend holds `self.backend` (one at a time)."""
+        with self.backend:
+            self.slots.increment(1)
         try:
             self.generate(request, sender, job)
         except Exception as exc:  # the request must still get its final response
             error = pb_utils.TritonError(f"toy engine failed: {exc}")
-            sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            with self.backend:
+                sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         finally:
-            self.slots.increment(-1)
+            with self.backend:
+                self.slots.increment(-1)
 
     def parse(self, request):
         max_tokens = int(scalar(request, "max_tokens", 0))
@@ -123,14 +141,20 @@ class TritonPythonModel:
         step, last = 0, int(job["ids"][-1])
         held_back = max((len(s.encode()) - 1 for s in job["stops"]), default=0)
         while len(out) < job["max_tokens"]:
-            if request.is_cancelled():
+            with self.backend:
+                cancelled = request.is_cancelled()
+            if cancelled:
                 finish = "cancelled"
                 break
             time.sleep(self.step_delay)
-            hits = step % (k + 1)
-            drafts, accepted = drafts + k, accepted + hits
+            if step == 0:
+                drafted = hits = 0  # prefill emits the first token
+            else:
+                drafted = min(k, job["max_tokens"] - len(out) - 1)
+                hits = min(step % (k + 1), drafted)
+            drafts, accepted = drafts + drafted, accepted + hits
             accepted_per_position[:hits] += 1
-            for _ in range(min(hits + 1, job["max_tokens"] - len(out))):
+            for _ in range(hits + 1):
                 if job["temperature"] > 0:
                     last = 97 + int(rng.integers(26))
                 else:
@@ -146,7 +170,8 @@ class TritonPythonModel:
                 break
             ready = len(out) - held_back  # a stop word may still be completed by the next step
             if job["stream"] and len(out) < job["max_tokens"] and ready > sent:
-                sender.send(self.response(out[sent:ready], logprobs[sent:ready], job, None))
+                with self.backend:
+                    sender.send(self.response(out[sent:ready], logprobs[sent:ready], job, None))
                 sent = ready
         totals = {
             "num_input_tokens": len(job["ids"]),
@@ -157,8 +182,10 @@ class TritonPythonModel:
             "finish_reason": finish,
         }
         first = sent if job["stream"] else 0
-        final = self.response(out[first:], logprobs[first:], job, totals)
-        sender.send(final, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        with self.backend:
+            self.finished[finish].increment(1)
+            final = self.response(out[first:], logprobs[first:], job, totals)
+            sender.send(final, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     @staticmethod
     def response(ids, logprobs, job, totals):

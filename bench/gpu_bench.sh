@@ -1,0 +1,148 @@
+#!/usr/bin/env bash
+# The whole head-to-head measurement in one command; results as files under $OUT.
+#
+#   OUT=<results dir> bash bench/gpu_bench.sh [CHECKPOINT_DIR]        (default models/tiny-dsv3-mtp)
+#
+# Run from the repository root. Stages, each under its own time limit; a stage that fails or runs out
+# of time is logged and the others still run:
+#   export      triton-mtp export of the checkpoint into a model repository (BENCH_FORMAT, default torchscript)
+#   triton      bench/triton_bench.py against an embedded tritonserver: batch 1 plain and k=1..4, then the
+#               concurrency sweep for plain and the best k
+#   standalone  bench/standalone.py: the same checkpoint in one process, compiled (reduce-overhead; falls back
+#               to captured CUDA graphs if compiling runs out of time), with and without speculation
+#   hf_generate bench/hf_generate.py: transformers generate(do_sample=False), the same checkpoint
+#   realistic   bench/realistic.py: the DeepSeek-V2-Lite-shaped decode step against its bandwidth floor
+# then bench/report.py writes $OUT/results.json, results.md, sweep.png, acceptance.png (with matplotlib);
+# $OUT/bench.log has every stage's output and $OUT/server.log the server's log.
+#
+# Where the project is not pip-installed (the GPU host) a PYTHONPATH shim of symlinks stands in for it.
+# Where tritonserver or tritonclient are not installed, they come from .bundle/ (tools/offline-bundle.sh:
+# tritonserver.tar.xz laid out as nvidia-pytriton's wheel lays it out, wheels/ installed into a --target
+# directory). The Python backend stub sees neither PYTHONPATH nor numpy < 2, so while the triton stage
+# runs a .pth file in this interpreter's site-packages puts numpy 1.26 and the shim first on its path.
+#
+# BENCH_SMOKE=1: tiny sizes on CPU (fp32, eager, 2 prompts of 16 tokens, k=1,2, streams 1,2; a synthetic
+# checkpoint when none is given) so the whole script is known to run. BENCH_REPOSITORY=<dir> serves an
+# existing repository instead of exporting. BENCH_FORMAT picks the export format.
+set -uo pipefail
+: "${OUT:?set OUT to the results directory}"
+repo=$(pwd)
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+work=$(mktemp -d)
+stages=$work/stages
+mkdir -p "$stages"
+log=$OUT/bench.log
+: >"$log"
+say() { echo "[gpu_bench $(date +%T)] $*" | tee -a "$log"; }
+pth=""
+cleanup() { [ -n "$pth" ] && rm -f "$pth"; rm -rf "$work"; }
+trap cleanup EXIT
+
+# ---- the project, tritonclient and tritonserver, importable without installing -----------------------
+shim=$work/shim
+mkdir -p "$shim/triton_mtp"
+for f in "$repo"/triton_mtp/*.py; do ln -s "$f" "$shim/triton_mtp/"; done
+for pkg in export serving client train model_repository; do ln -s "$repo/$pkg" "$shim/triton_mtp/$pkg"; done
+ln -s "$repo/bench" "$shim/bench"
+export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"
+pyver=$(python -c 'import sys; print(f"{sys.version_info.major}.{sys.version_info.minor}")')
+stub_paths=()
+if ! python -c 'import tritonclient.grpc' 2>/dev/null; then
+    pip install -q --no-index --no-deps --target "$work/site" "$repo"/.bundle/wheels/tritonclient-*.whl \
+        "$repo"/.bundle/wheels/python_rapidjson-*.whl >>"$log" 2>&1
+    export PYTHONPATH="$PYTHONPATH:$work/site"
+fi
+if ! python -c 'import pytriton' 2>/dev/null; then
+    tar -xJf "$repo/.bundle/tritonserver.tar.xz" -C "$work"
+    bundle=$work/triton-bundle
+    server=$shim/pytriton/tritonserver
+    mkdir -p "$server/python_backend_stubs/$pyver" "$shim/nvidia_pytriton-0.7.0.dist-info"
+    ln -s "$bundle/bin" "$server/bin"
+    ln -s "$bundle/backends" "$server/backends"
+    ln -s "$bundle/backends/python/triton_python_backend_stub" "$server/python_backend_stubs/$pyver/"
+    ln -s "$bundle/lib" "$shim/nvidia_pytriton.libs"
+    printf 'Metadata-Version: 2.1\nName: nvidia-pytriton\nVersion: 0.7.0\n' >"$shim/nvidia_pytriton-0.7.0.dist-info/METADATA"
+    export LD_LIBRARY_PATH="$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+if [ "$(python -c 'import numpy; print(numpy.__version__.split(".")[0])')" -ge 2 ]; then
+    pip install -q --no-index --no-deps --target "$work/numpy126" "$repo"/.bundle/wheels/numpy-1.26.4-*.whl >>"$log" 2>&1
+    stub_paths+=("$work/numpy126")
+fi
+env -u PYTHONPATH python -c 'import triton_mtp.serving' 2>/dev/null || stub_paths+=("$shim")
+stub_path_on() {  # the .pth that reaches the backend stub; removed again by stub_path_off / on exit
+    [ ${#stub_paths[@]} -eq 0 ] && return
+    pth=$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_triton_mtp_bench.pth
+    python - "$pth" "${stub_paths[@]}" <<'PY'
+import pathlib, sys
+pathlib.Path(sys.argv[1]).write_text(f"import sys; sys.path[:0] = {sys.argv[2:]!r}\n")
+PY
+}
+stub_path_off() { [ -n "$pth" ] && rm -f "$pth"; pth=""; }
+
+# ---- sizes -----------------------------------------------------------------------------------------
+checkpoint=${1:-}
+if [ "${BENCH_SMOKE:-0}" = 1 ]; then
+    device=cpu dtype=fp32 graphs=eager prompts=2 prompt_tokens=16 max_tokens=16 drafts=1,2 streams=1,2
+    hf_prompts=1 limit=400 realistic_args=(--layers 2 --hidden 128 --experts 8 --vocab 512 --context 32 --repeats 3
+                                            --copy-bytes 4000000 --graphs eager)
+    if [ -z "$checkpoint" ]; then
+        checkpoint=$work/checkpoint
+        python -c "import sys; sys.path.insert(0, 'tests'); from tiny_config import tiny_config; \
+from triton_mtp.export.synthetic import write_checkpoint; write_checkpoint('$checkpoint', tiny_config())" >>"$log" 2>&1
+    fi
+else
+    device=cuda dtype=bf16 graphs=reduce-overhead prompts=8 prompt_tokens=128 max_tokens=128 drafts=1,2,3,4
+    streams=1,2,4,8,16,32,64 hf_prompts=4 limit=0 realistic_args=(--layers "${BENCH_REALISTIC_LAYERS:-27}" --context 512)
+fi
+checkpoint=$(cd "${checkpoint:-models/tiny-dsv3-mtp}" && pwd) || { say "checkpoint directory not found"; exit 1; }
+max_draft=${drafts##*,}
+max_seq_len=$((prompt_tokens + max_tokens + max_draft + 1))
+common=(--checkpoint "$checkpoint" --prompts "$prompts" --prompt-tokens "$prompt_tokens" --max-tokens "$max_tokens")
+
+stage() {  # stage NAME SECONDS CMD...: run with a time limit, log its output, record how it ended
+    local name=$1 seconds=$2
+    shift 2
+    [ "$limit" -gt 0 ] && seconds=$limit
+    say "stage $name (limit ${seconds}s): $*"
+    local start=$SECONDS
+    timeout --kill-after=20 "$seconds" "$@" >>"$log" 2>&1
+    local rc=$?
+    say "stage $name: exit $rc after $((SECONDS - start))s"
+    return $rc
+}
+
+python - >>"$log" 2>&1 <<'PY'
+import sys, torch
+print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available(),
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+PY
+say "checkpoint $checkpoint, device $device, dtype $dtype, max_seq_len $max_seq_len"
+
+# ---- stages ----------------------------------------------------------------------------------------
+repository=${BENCH_REPOSITORY:-$work/repository}
+if [ -z "${BENCH_REPOSITORY:-}" ]; then
+    stage export "${BENCH_EXPORT_S:-90}" python -m triton_mtp.cli export --checkpoint "$checkpoint" \
+        --repository "$repository" --format "${BENCH_FORMAT:-torchscript}" --device "$device" --dtype "$dtype" \
+        --max-slots 64 --max-seq-len "$max_seq_len" --max-draft-tokens "$max_draft" --max-queue-size 256
+fi
+if [ -d "$repository/spec_decode" ]; then
+    stub_path_on
+    stage triton "${BENCH_TRITON_S:-170}" python -m bench.triton_bench "${common[@]}" --repository "$repository" \
+        --out "$stages/triton.json" --server-log "$OUT/server.log" --draft-tokens "$drafts" --concurrency "$streams"
+    stub_path_off
+else
+    say "stage triton skipped: no model repository at $repository"
+fi
+stage standalone "${BENCH_STANDALONE_S:-130}" python -m bench.standalone "${common[@]}" --out "$stages/standalone.json" \
+    --device "$device" --dtype "$dtype" --graphs "$graphs" --draft-tokens "$drafts" \
+|| { [ "$graphs" = reduce-overhead ] && stage standalone-cudagraph "${BENCH_FALLBACK_S:-60}" python -m bench.standalone \
+        "${common[@]}" --out "$stages/standalone.json" --device "$device" --dtype "$dtype" --graphs cudagraph \
+        --draft-tokens "$drafts"; }
+stage hf_generate "${BENCH_HF_S:-45}" python -m bench.hf_generate --checkpoint "$checkpoint" --prompts "$hf_prompts" \
+    --prompt-tokens "$prompt_tokens" --max-tokens "$max_tokens" --out "$stages/hf_generate.json" \
+    --device "$device" --dtype "$dtype"
+stage realistic "${BENCH_REALISTIC_S:-75}" python -m bench.realistic --out "$stages/realistic.json" --device "$device" \
+    "${realistic_args[@]}"
+python -m bench.report --stages "$stages" --out "$OUT" 2>&1 | tee -a "$log"
+ls -la "$OUT" | tee -a "$log"
