@@ -8,10 +8,12 @@
 #   export      triton-mtp export of the checkpoint into a model repository (BENCH_FORMAT, default torchscript)
 #   triton      bench/triton_bench.py against an embedded tritonserver: batch 1 plain and k=1..4, then the
 #               concurrency sweep for plain and the best k
-#   standalone  bench/standalone.py: the same checkpoint in one process, compiled (reduce-overhead; falls back
-#               to captured CUDA graphs if compiling runs out of time), with and without speculation
+#   standalone  bench/standalone.py: the same checkpoint in one process, steps as captured CUDA graphs,
+#               with and without speculation
 #   hf_generate bench/hf_generate.py: transformers generate(do_sample=False), the same checkpoint
 #   realistic   bench/realistic.py: the DeepSeek-V2-Lite-shaped decode step against its bandwidth floor
+#   standalone_compiled  the standalone loop under torch.compile(mode="reduce-overhead"), with the time left
+# Every stage is cut to what BENCH_DEADLINE_S (default 540) leaves, and the report is rewritten after each.
 # then bench/report.py writes $OUT/results.json, results.md, sweep.png, acceptance.png (with matplotlib);
 # $OUT/bench.log has every stage's output and $OUT/server.log the server's log.
 #
@@ -49,7 +51,7 @@ export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"
 pyver=$(python -c 'import sys; print(f"{sys.version_info.major}.{sys.version_info.minor}")')
 stub_paths=()
 if ! python -c 'import tritonclient.grpc' 2>/dev/null; then
-    pip install -q --no-index --no-deps --target "$work/site" "$repo"/.bundle/wheels/tritonclient-*.whl \
+    python -m pip install -q --no-index --no-deps --target "$work/site" "$repo"/.bundle/wheels/tritonclient-*.whl \
         "$repo"/.bundle/wheels/python_rapidjson-*.whl >>"$log" 2>&1
     export PYTHONPATH="$PYTHONPATH:$work/site"
 fi
@@ -66,7 +68,7 @@ if ! python -c 'import pytriton' 2>/dev/null; then
     export LD_LIBRARY_PATH="$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 if [ "$(python -c 'import numpy; print(numpy.__version__.split(".")[0])')" -ge 2 ]; then
-    pip install -q --no-index --no-deps --target "$work/numpy126" "$repo"/.bundle/wheels/numpy-1.26.4-*.whl >>"$log" 2>&1
+    python -m pip install -q --no-index --no-deps --target "$work/numpy126" "$repo"/.bundle/wheels/numpy-1.26.4-*.whl >>"$log" 2>&1
     stub_paths+=("$work/numpy126")
 fi
 env -u PYTHONPATH python -c 'import triton_mtp.serving' 2>/dev/null || stub_paths+=("$shim")
@@ -83,8 +85,8 @@ stub_path_off() { [ -n "$pth" ] && rm -f "$pth"; pth=""; }
 # ---- sizes -----------------------------------------------------------------------------------------
 checkpoint=${1:-}
 if [ "${BENCH_SMOKE:-0}" = 1 ]; then
-    device=cpu dtype=fp32 graphs=eager prompts=2 prompt_tokens=16 max_tokens=16 drafts=1,2 streams=1,2
-    hf_prompts=1 limit=400 realistic_args=(--layers 2 --hidden 128 --experts 8 --vocab 512 --context 32 --repeats 3
+    device=cpu dtype=fp32 graphs=eager deadline=3000 prompts=2 prompt_tokens=16 max_tokens=16 drafts=1,2 streams=1,2
+    hf_prompts=1 warmup=1 limit=400 realistic_args=(--layers 2 --hidden 128 --experts 8 --vocab 512 --context 32 --repeats 3
                                             --copy-bytes 4000000 --graphs eager)
     if [ -z "$checkpoint" ]; then
         checkpoint=$work/checkpoint
@@ -92,23 +94,31 @@ if [ "${BENCH_SMOKE:-0}" = 1 ]; then
 from triton_mtp.export.synthetic import write_checkpoint; write_checkpoint('$checkpoint', tiny_config())" >>"$log" 2>&1
     fi
 else
-    device=cuda dtype=bf16 graphs=reduce-overhead prompts=8 prompt_tokens=128 max_tokens=128 drafts=1,2,3,4
-    streams=1,2,4,8,16,32,64 hf_prompts=4 limit=0 realistic_args=(--layers "${BENCH_REALISTIC_LAYERS:-27}" --context 512)
+    device=cuda dtype=bf16 graphs=cudagraph prompts=8 prompt_tokens=128 max_tokens=128 drafts=1,2,3,4
+    streams=1,2,4,8,16,32,64 hf_prompts=4 warmup=3 limit=0 realistic_args=(--layers "${BENCH_REALISTIC_LAYERS:-27}" --context 512)
 fi
 checkpoint=$(cd "${checkpoint:-models/tiny-dsv3-mtp}" && pwd) || { say "checkpoint directory not found"; exit 1; }
 max_draft=${drafts##*,}
 max_seq_len=$((prompt_tokens + max_tokens + max_draft + 1))
 common=(--checkpoint "$checkpoint" --prompts "$prompts" --prompt-tokens "$prompt_tokens" --max-tokens "$max_tokens")
 
-stage() {  # stage NAME SECONDS CMD...: run with a time limit, log its output, record how it ended
+: "${deadline:=${BENCH_DEADLINE_S:-540}}"  # the whole script, report included, ends before this many seconds
+stage() {  # stage NAME SECONDS CMD...: run under a time limit (cut to what the deadline leaves), log, report
     local name=$1 seconds=$2
     shift 2
     [ "$limit" -gt 0 ] && seconds=$limit
+    local left=$((deadline - SECONDS - 20))
+    [ "$seconds" -gt "$left" ] && seconds=$left
+    if [ "$seconds" -lt 10 ]; then
+        say "stage $name skipped: the deadline of ${deadline}s is near"
+        return 1
+    fi
     say "stage $name (limit ${seconds}s): $*"
     local start=$SECONDS
-    timeout --kill-after=20 "$seconds" "$@" >>"$log" 2>&1
+    timeout --kill-after=10 "$seconds" "$@" >>"$log" 2>&1
     local rc=$?
     say "stage $name: exit $rc after $((SECONDS - start))s"
+    python -m bench.report --stages "$stages" --out "$OUT" >/dev/null 2>>"$log"  # results so far, in case of a kill
     return $rc
 }
 
@@ -129,20 +139,22 @@ fi
 if [ -d "$repository/spec_decode" ]; then
     stub_path_on
     stage triton "${BENCH_TRITON_S:-170}" python -m bench.triton_bench "${common[@]}" --repository "$repository" \
-        --out "$stages/triton.json" --server-log "$OUT/server.log" --draft-tokens "$drafts" --concurrency "$streams"
+        --out "$stages/triton.json" --server-log "$OUT/server.log" --draft-tokens "$drafts" --concurrency "$streams" --warmup "$warmup"
     stub_path_off
 else
     say "stage triton skipped: no model repository at $repository"
 fi
-stage standalone "${BENCH_STANDALONE_S:-130}" python -m bench.standalone "${common[@]}" --out "$stages/standalone.json" \
-    --device "$device" --dtype "$dtype" --graphs "$graphs" --draft-tokens "$drafts" \
-|| { [ "$graphs" = reduce-overhead ] && stage standalone-cudagraph "${BENCH_FALLBACK_S:-60}" python -m bench.standalone \
-        "${common[@]}" --out "$stages/standalone.json" --device "$device" --dtype "$dtype" --graphs cudagraph \
-        --draft-tokens "$drafts"; }
+stage standalone "${BENCH_STANDALONE_S:-75}" python -m bench.standalone "${common[@]}" --out "$stages/standalone.json" \
+    --device "$device" --dtype "$dtype" --graphs "$graphs" --draft-tokens "$drafts"
 stage hf_generate "${BENCH_HF_S:-45}" python -m bench.hf_generate --checkpoint "$checkpoint" --prompts "$hf_prompts" \
     --prompt-tokens "$prompt_tokens" --max-tokens "$max_tokens" --out "$stages/hf_generate.json" \
     --device "$device" --dtype "$dtype"
 stage realistic "${BENCH_REALISTIC_S:-75}" python -m bench.realistic --out "$stages/realistic.json" --device "$device" \
     "${realistic_args[@]}"
-python -m bench.report --stages "$stages" --out "$OUT" 2>&1 | tee -a "$log"
+if [ "$device" = cuda ]; then  # compiling may take minutes: last, with what time is left
+    stage standalone_compiled "${BENCH_COMPILED_S:-200}" python -m bench.standalone "${common[@]}" \
+        --out "$stages/standalone_compiled.json" --device "$device" --dtype "$dtype" --graphs reduce-overhead \
+        --draft-tokens "$drafts"
+fi
+python -m bench.report --stages "$stages" --out "$OUT" 2>&1 | tee -a "$log" || { say "report failed"; exit 1; }
 ls -la "$OUT" | tee -a "$log"

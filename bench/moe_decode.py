@@ -74,7 +74,8 @@ class SelectedExpertsMoE(nn.Module):
         rows = order // K  # [N*K] token of each pair
         xs = flat.index_select(0, rows)  # [N*K, H]
         if self.use_grouped_mm:
-            counts = F.one_hot(experts, self.num_experts).sum(0)  # [E] pairs per expert
+            counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device).scatter_add_(
+                0, experts, torch.ones_like(experts, dtype=torch.int32))  # [E] pairs per expert
             offs = counts.cumsum(0).to(torch.int32)  # [E] end of each expert's group
             h = F.grouped_mm(xs, self.w13.transpose(-2, -1), offs=offs)  # [N*K, 2I]
             gate, up = h.chunk(2, dim=-1)  # [N*K, I] each

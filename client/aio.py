@@ -54,7 +54,8 @@ class AsyncClient:
     ) -> Completion:
         """One completion in one response (the model's `stream` off)."""
         request = GenerateRequest(
-            prompt, input_ids, max_tokens, temperature, top_p, top_k, seed, num_draft_tokens, stop, return_logprobs
+            prompt=prompt, input_ids=input_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+            top_k=top_k, seed=seed, num_draft_tokens=num_draft_tokens, stop=stop, return_logprobs=return_logprobs,
         )
         builder = CompletionBuilder(self.url)
         async for response in self.transport.responses(request, self.request_timeout(timeout)):
@@ -78,7 +79,8 @@ class AsyncClient:
     ) -> AsyncIterator[Delta | Completion]:
         """Yield a `Delta` per decoding step as the server sends it, then the `Completion`."""
         request = GenerateRequest(
-            prompt, input_ids, max_tokens, temperature, top_p, top_k, seed, num_draft_tokens, stop, return_logprobs,
+            prompt=prompt, input_ids=input_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+            top_k=top_k, seed=seed, num_draft_tokens=num_draft_tokens, stop=stop, return_logprobs=return_logprobs,
             stream=True,
         )
         builder = CompletionBuilder(self.url)

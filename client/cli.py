@@ -23,7 +23,8 @@ def summary(completion: Completion, elapsed_s: float) -> str:
     """`12 tokens in 0.50 s (24.0 tokens/s), finish length, acceptance 40.0% (4/10), mean accepted length 1.80`."""
     tokens = completion.usage.output_tokens
     stats = completion.acceptance
-    line = f"{tokens} tokens in {elapsed_s:.2f} s ({tokens / max(elapsed_s, 1e-9):.1f} tokens/s), finish {completion.finish_reason}"
+    rate = tokens / max(elapsed_s, 1e-9)
+    line = f"{tokens} tokens in {elapsed_s:.2f} s ({rate:.1f} tokens/s), finish {completion.finish_reason}"
     if stats.acceptance_rate is None:
         return line + ", no drafts"
     return (
@@ -40,12 +41,6 @@ def read_prompt(value: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        prompt = read_prompt(args.prompt)
-        client = Client(args.url, protocol=args.protocol, timeout=args.timeout, model=args.model)
-    except ValueError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
     options = dict(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -58,13 +53,17 @@ def run(args: argparse.Namespace) -> int:
     )
     started = time.monotonic()
     try:
-        with client:
+        prompt = read_prompt(args.prompt)
+        with Client(args.url, protocol=args.protocol, timeout=args.timeout, model=args.model) as client:
             if args.stream and not args.json:
                 completion = print_stream(client.stream(prompt, **options))
             else:
                 completion = client.generate(prompt, **options)
                 if not args.json:
                     print(completion.text, flush=True)
+    except ValueError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
     except TritonMTPError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
@@ -100,7 +99,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("prompt", metavar="PROMPT", help="prompt text, or - to read it from stdin")
-    parser.add_argument("--url", help="host:port of the server (default localhost:8001 for grpc, localhost:8000 for http)")
+    parser.add_argument("--url", help="host:port (default localhost:8001 for grpc, localhost:8000 for http)")
     parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
     parser.add_argument("--model", default="spec_decode", help="Triton model name (default spec_decode)")
     parser.add_argument("--max-tokens", type=int, default=64)

@@ -63,15 +63,18 @@ class GenerateRequest:
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.input_ids is None):
             raise ValueError("pass exactly one of prompt or input_ids")
-        if isinstance(self.stop, str):
-            raise ValueError("stop must be a list of strings, not a single string")
+        if isinstance(self.stop, str) or not all(isinstance(word, str) for word in self.stop or ()):
+            raise ValueError(f"stop must be a list of strings, got {self.stop!r}")
+        if self.seed is not None and self.seed < 0:
+            raise ValueError(f"seed must be >= 0 (it is sent as UINT64), got {self.seed}")
+        self.arrays()  # every value must fit its tensor's datatype
 
     def fields(self) -> dict[str, Any]:
         """Request tensor name -> value (a scalar, or a list for input_ids and stop_words)."""
         values = {
             "text_input": self.prompt,
-            "input_ids": None if self.input_ids is None else [int(i) for i in self.input_ids],
-            "max_tokens": int(self.max_tokens),
+            "input_ids": None if self.input_ids is None else np.asarray(self.input_ids).tolist(),
+            "max_tokens": self.max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
@@ -88,11 +91,14 @@ class GenerateRequest:
         out = {}
         for name, value in self.fields().items():
             datatype, dtype = REQUEST_TENSORS[name]
-            if isinstance(value, str):
-                value = value.encode()
-            elif isinstance(value, list) and dtype is np.object_:
-                value = [v.encode() for v in value]
-            out[name] = (datatype, np.array(value if isinstance(value, list) else [value], dtype=dtype))  # [n]
+            values = value if isinstance(value, list) else [value]
+            if dtype is np.object_:
+                values = [v.encode() if isinstance(v, str) else v for v in values]
+            try:
+                array = np.array(values, dtype=dtype)  # [n]
+            except (TypeError, ValueError, OverflowError):
+                raise ValueError(f"{name}: {value!r} cannot be sent as {datatype}") from None
+            out[name] = (datatype, array)
         return out
 
 

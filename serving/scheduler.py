@@ -59,7 +59,8 @@ class _Sequence:
     absorb_hidden: torch.Tensor | None = None  # [n, H] target hidden h_i paired with them
     absorb_start: int = 0  # position i of the first pair
     drafts: list[int] = field(default_factory=list)
-    draft_probs: torch.Tensor | None = None  # [k, V]
+    draft_top_ids: torch.Tensor | None = None  # [k, N] support of q (sampled drafts only)
+    draft_top_probs: torch.Tensor | None = None  # [k, N] q on it
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     text_sent: str = ""
@@ -217,7 +218,8 @@ class Scheduler:
             k = int(num_draft[b])
             s.drafting = True
             s.drafts = result.draft_ids[b, :k].tolist()
-            s.draft_probs = None if result.draft_probs is None else result.draft_probs[b, :k]
+            if result.draft_top_ids is not None:
+                s.draft_top_ids, s.draft_top_probs = result.draft_top_ids[b, :k], result.draft_top_probs[b, :k]
 
     def _verify(self, rows: list[_Sequence]) -> None:
         windows, starts = [], []
@@ -235,16 +237,19 @@ class Scheduler:
             token_ids[b, : len(window)] = torch.tensor(window)
             positions[b, : len(window)] = torch.arange(start, start + len(window))
         num_draft = torch.tensor([len(s.drafts) if s.prefilled else 0 for s in rows], dtype=torch.int64)  # [B]
-        draft_probs = None
-        sampled = [s for s in rows if s.prefilled and s.draft_probs is not None]
+        top_ids = top_probs = None
+        sampled = [s for s in rows if s.prefilled and s.draft_top_ids is not None]
         if sampled:
-            V = sampled[0].draft_probs.shape[-1]
-            draft_probs = torch.zeros(B, int(num_draft.max()), V, dtype=torch.float32)  # [B, K, V]
+            K, N = int(num_draft.max()), sampled[0].draft_top_ids.shape[-1]
+            top_ids = torch.zeros(B, K, N, dtype=torch.int64)  # [B, K, N]
+            top_probs = torch.zeros(B, K, N, dtype=torch.float32)  # [B, K, N]
             for b, s in enumerate(rows):
-                if s.prefilled and s.draft_probs is not None:
-                    draft_probs[b, : len(s.drafts)] = s.draft_probs
+                if s in sampled:
+                    top_ids[b, : len(s.drafts)] = s.draft_top_ids
+                    top_probs[b, : len(s.drafts)] = s.draft_top_probs
         batch = TargetBatch(**_row_params(rows, [not s.prefilled for s in rows]),
-                            token_ids=token_ids, positions=positions, num_draft=num_draft, draft_probs=draft_probs)
+                            token_ids=token_ids, positions=positions, num_draft=num_draft,
+                            draft_top_ids=top_ids, draft_top_probs=top_probs)
         result = self._hops.target(batch)
         self.metrics.hop()
         for b, s in enumerate(rows):
@@ -277,7 +282,7 @@ class Scheduler:
             s.absorb_hidden = hidden[: len(prompt)]  # [P, H]
             s.absorb_start = 0
             s.prefilled = True
-        s.drafts, s.draft_probs = [], None
+        s.drafts, s.draft_top_ids, s.draft_top_probs = [], None, None
         step_ids, step_logprobs = self._emit(s, new_ids, new_logprobs)
         self.metrics.emitted(len(step_ids))
         if s.finish_reason:

@@ -98,9 +98,9 @@ class BlsHops:
         return TargetResult.from_arrays(_exec("target", batch.to_arrays(), ["output_ids", "num_accepted", "logprobs", "hidden"]))
 
     def mtp(self, batch: DraftBatch) -> DraftResult:
-        arrays = _exec("mtp", batch.to_arrays(), ["draft_ids", "draft_probs"])
-        if arrays["draft_probs"].size == 0:
-            del arrays["draft_probs"]
+        arrays = _exec("mtp", batch.to_arrays(), ["draft_ids", "draft_top_ids", "draft_top_probs"])
+        if arrays["draft_top_ids"].size == 0:  # argmax drafts carry no q
+            del arrays["draft_top_ids"], arrays["draft_top_probs"]
         return DraftResult.from_arrays(arrays)
 
 

@@ -73,7 +73,16 @@ class TargetBatch(RowParams):
     positions: torch.Tensor = None  # [B, T] int64, -1 = padding
     slot_ids: torch.Tensor = None  # [B] int64
     num_draft: torch.Tensor = None  # [B] int64: the last num_draft[b] valid tokens are drafts
-    draft_probs: torch.Tensor | None = None  # [B, K, V] q of sampled drafts; None: argmax drafts
+    draft_top_ids: torch.Tensor | None = None  # [B, K, N] support of q for sampled drafts; None: argmax drafts
+    draft_top_probs: torch.Tensor | None = None  # [B, K, N] q on that support
+
+    def draft_probs(self, vocab_size: int) -> torch.Tensor | None:
+        """[B, K, V] dense q, zero outside the support the drafts were sampled from."""
+        if self.draft_top_ids is None:
+            return None
+        B, K, _ = self.draft_top_ids.shape
+        dense = torch.zeros(B, K, vocab_size, dtype=torch.float32, device=self.draft_top_ids.device)  # [B, K, V]
+        return dense.scatter_(2, self.draft_top_ids, self.draft_top_probs.float())
 
 
 @dataclass
@@ -96,9 +105,13 @@ class DraftBatch(RowParams):
 @dataclass
 class DraftResult(_Payload):
     draft_ids: torch.Tensor  # [B, K] int64, 0 past num_draft[b]
-    draft_probs: torch.Tensor | None = None  # [B, K, V] float32 when any row samples
+    draft_top_ids: torch.Tensor | None = None  # [B, K, N] when any row samples: q's support ...
+    draft_top_probs: torch.Tensor | None = None  # [B, K, N] ... and q on it (float32)
 
 
+# Sampled drafts come from the MTP distribution truncated to its DRAFT_SUPPORT most likely tokens;
+# only that support crosses the hop. Verification stays exact: it uses the q drafts were drawn from.
+DRAFT_SUPPORT = 64
 DRAFT_SEED_SALT = 0x9E37_79B9_7F4A_7C15  # the drafter's stream must not replay the target's draws
 
 
@@ -126,12 +139,10 @@ def _check_slots(slot_ids: torch.Tensor, max_slots: int) -> None:
 class TargetWorker:
     """Verifies drafts (and prefills prompts) for all rows with one target call."""
 
-    def __init__(self, target: TargetStep, max_slots: int, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, target: TargetStep, max_slots: int, device: torch.device | str = "cpu") -> None:
         self._target = target
         self._max_slots = max_slots
         self._device = torch.device(device)
-        self._dtype = dtype
         self._generators = _Generators(max_slots, self._device)
 
     @torch.no_grad()
@@ -140,6 +151,7 @@ class TargetWorker:
         generators = self._generators.rows(batch.slot_ids, batch.seeds, batch.new)
         logits, hidden = self._target(batch.token_ids, batch.positions, batch.slot_ids)  # [B, T, V], [B, T, H]
         B, T, V = logits.shape
+        draft_probs = batch.draft_probs(V)  # [B, K, V] or None
         K = int(batch.num_draft.max()) if B else 0
         length = (batch.positions >= 0).sum(1)  # [B] valid tokens per row
         first = length - 1 - batch.num_draft  # [B] index of the token before the drafts
@@ -153,7 +165,7 @@ class TargetWorker:
         # One verify per draft length k, so a row's random draws depend on its own k only.
         for k in batch.num_draft.unique().tolist():
             rows = (batch.num_draft == k).nonzero().squeeze(1)  # [b]
-            q = None if batch.draft_probs is None else batch.draft_probs[rows, :k]  # [b, k, V]
+            q = None if draft_probs is None else draft_probs[rows, :k]  # [b, k, V]
             accepted, emitted = verify_drafts(
                 probs[rows, : k + 1], draft_ids[rows, :k], q, batch.num_draft[rows],
                 params.greedy[rows], [generators[i] for i in rows.tolist()],
@@ -196,17 +208,22 @@ class DraftWorker:
         rows = torch.arange(B, device=slots.device)  # [B]
         logits, out = logits[rows, last], out[rows, last]  # [B, V], [B, H] from layer 0: draft 1
 
-        drafts, draft_probs = [], []
+        drafts, top_ids, top_probs = [], [], []
         chain_tokens, chain_hidden = [], []  # pairs for positions base+1, base+2, ...
         written = [0] * self._num_layers  # per layer: chain pairs already in its cache
         for step in range(K):
-            probs = target_probs(logits.unsqueeze(1), params)  # [B, 1, V]
-            token = probs[:, 0].argmax(-1)  # [B]
-            if sampled:  # draw only for rows still drafting, so a row's draws depend on its own k
+            probs = target_probs(logits.unsqueeze(1), params)[:, 0]  # [B, V]
+            token = probs.argmax(-1)  # [B]
+            if sampled:
+                q, support = probs.topk(min(DRAFT_SUPPORT, probs.shape[-1]), dim=-1)  # [B, N], [B, N]
+                q = q / q.sum(-1, keepdim=True)  # [B, N]
+                top_ids.append(support)
+                top_probs.append(q)
+                # Draw only for rows still drafting, so a row's draws depend on its own k.
                 active = (num_draft > step).nonzero().squeeze(1)  # [b]
-                token[active] = sample(probs[active], [generators[i] for i in active.tolist()])[:, 0]
+                dense = torch.zeros_like(probs).scatter_(-1, support, q)  # [B, V]
+                token[active] = sample(dense[active].unsqueeze(1), [generators[i] for i in active.tolist()])[:, 0]
             drafts.append(token)
-            draft_probs.append(probs[:, 0])
             if step + 1 == K:
                 break
             chain_tokens.append(token)
@@ -225,7 +242,9 @@ class DraftWorker:
         draft_ids = torch.stack(drafts, 1)  # [B, K]
         keep = torch.arange(K, device=draft_ids.device) < num_draft.view(B, 1)  # [B, K]
         draft_ids = torch.where(keep, draft_ids, 0)  # [B, K]
-        return DraftResult(draft_ids, torch.stack(draft_probs, 1).float() if sampled else None)
+        if not sampled:
+            return DraftResult(draft_ids)
+        return DraftResult(draft_ids, torch.stack(top_ids, 1), torch.stack(top_probs, 1).float())  # [B, K, N] x2
 
 
 class InProcessHops:

@@ -94,3 +94,13 @@ def drafting_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = write_checkpoint(tmp_path_factory.mktemp("drafting_checkpoint"), tiny_config(), seed=0)
     sharpen_for_drafting(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def spec_decode_repository(drafting_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`drafting_checkpoint` exported (TorchScript, CPU), for tests that start their own servers on it."""
+    from triton_mtp.export.repository import write_repository
+
+    repo = tmp_path_factory.mktemp("spec_decode_repository")
+    write_repository(drafting_checkpoint, repo, max_slots=4, max_draft_tokens=4, progress=False, log=lambda line: None)
+    return repo

@@ -45,9 +45,10 @@ def test_prints_the_completion_and_a_summary(server, capsys, protocol, stream):
     assert out == expected.text + "\n"
     tokens, finish, rate, accepted, drafted, length = SUMMARY.match(err.strip()).groups()
     assert (int(tokens), finish) == (20, "length")
-    assert (int(accepted), int(drafted)) == (expected.acceptance.accepted_draft_tokens, expected.acceptance.draft_tokens)
-    assert float(rate) == pytest.approx(100 * expected.acceptance.acceptance_rate, abs=0.05)
-    assert float(length) == pytest.approx(expected.acceptance.mean_accepted_length, abs=0.005)
+    stats = expected.acceptance
+    assert (int(accepted), int(drafted)) == (stats.accepted_draft_tokens, stats.draft_tokens)
+    assert float(rate) == pytest.approx(100 * stats.acceptance_rate, abs=0.05)
+    assert float(length) == pytest.approx(stats.mean_accepted_length, abs=0.005)
 
 
 def test_json_has_every_response_field(server, capsys):
@@ -89,6 +90,9 @@ def test_bad_usage_exits_2(capsys):
             main(["generate", *argv])
         assert raised.value.code == 2
         assert "usage: triton-mtp generate" in capsys.readouterr().err
+    code, out, err = generate(capsys, "hi", "--seed", "-1")
+    assert code == 2 and out == ""
+    assert err.strip() == "triton-mtp generate: error: seed must be >= 0 (it is sent as UINT64), got -1"
 
 
 def test_streams_as_text_arrives_and_ctrl_c_cancels_the_request(server):

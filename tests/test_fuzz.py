@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_soak import reliability_repository
 
@@ -59,38 +59,50 @@ def byte_strings() -> st.SearchStrategy[bytes]:
     )
 
 
-def values(data: st.DataObject, wire: str, size: int, vocab: int) -> np.ndarray:
-    dtype = NUMPY[wire]
+def in_range(name: str, limits: dict[str, int]) -> st.SearchStrategy:
+    """Values each declared input accepts, so that most requests get past the first bad field."""
+    return {
+        "input_ids": st.integers(0, limits["vocab_size"] - 1), "max_tokens": st.integers(1, 20),
+        "temperature": st.floats(0.0, 1.5, width=32), "top_p": st.floats(0.125, 1.0, width=32),
+        "top_k": st.integers(0, 50), "seed": st.integers(0, 2**64 - 1),
+        "num_draft_tokens": st.integers(0, limits["max_draft_tokens"]), "return_logprobs": st.booleans(),
+        "stream": st.booleans(), "text_input": byte_strings(), "stop_words": byte_strings(),
+    }[name]
+
+
+def anything(wire: str, limits: dict[str, int]) -> st.SearchStrategy:
     if wire == "BYTES":
-        return np.array(data.draw(st.lists(byte_strings(), min_size=size, max_size=size)), dtype=np.object_)
+        return byte_strings()
     if wire == "BOOL":
-        elements = st.booleans()
-    elif wire.startswith("FP"):
-        elements = st.one_of(st.floats(width=16 if wire == "FP16" else 32), st.floats(0.0, 2.0, width=32))
-    else:
-        info = np.iinfo(dtype)
-        elements = st.one_of(st.integers(0, vocab + 2), st.integers(int(info.min), int(info.max)))
-    return np.array(data.draw(st.lists(elements, min_size=size, max_size=size)), dtype=dtype)
+        return st.booleans()
+    if wire.startswith("FP"):
+        return st.floats(width=16 if wire == "FP16" else 32)
+    info = np.iinfo(NUMPY[wire])
+    return st.one_of(st.integers(0, limits["vocab_size"] + 2), st.integers(int(info.min), int(info.max)))
 
 
-def draw_request(data: st.DataObject, vocab: int) -> dict[str, tuple[str, np.ndarray]]:
-    """name -> (wire dtype, array): mostly well-typed inputs, sometimes anything."""
-    names = data.draw(st.sets(st.sampled_from(list(DECLARED)), max_size=len(DECLARED)))
-    if data.draw(st.integers(0, 9)) < 6:  # a prompt and max_tokens most of the time
-        names |= {data.draw(st.sampled_from(["text_input", "input_ids"])), "max_tokens"}
+def draw_request(data: st.DataObject, limits: dict[str, int]) -> dict[str, tuple[str, np.ndarray]]:
+    """name -> (wire dtype, array): mostly well-typed, in-range inputs; now and then anything."""
+    names = {name for name in DECLARED if data.draw(st.integers(0, 9)) < 3}
+    if data.draw(st.integers(0, 9)) < 7:  # exactly one prompt and max_tokens most of the time
+        prompt = data.draw(st.sampled_from(["input_ids", "input_ids", "text_input"]))
+        names = (names - {"input_ids", "text_input"}) | {prompt, "max_tokens"}
     if data.draw(st.integers(0, 9)) == 0:
         names.add(data.draw(st.sampled_from(EXTRA_NAMES)))
     request = {}
     for name in sorted(names):
         wire, dims = DECLARED.get(name, ("INT32", [1]))
-        if data.draw(st.integers(0, 9)) == 0:
+        wild = data.draw(st.integers(0, 19)) == 0
+        if wild:
             wire = data.draw(st.sampled_from(list(NUMPY)))
-        if data.draw(st.integers(0, 9)) == 0:
+        if data.draw(st.integers(0, 19)) == 0:
             shape = data.draw(st.lists(st.integers(0, 3), max_size=3))
         else:
-            shape = [data.draw(st.integers(0, 70)) if d == -1 else d for d in dims]
-        array = values(data, wire, int(np.prod(shape)), vocab).reshape(shape)
-        request[name] = (wire, array)
+            shape = [data.draw(st.integers(0, 70) if wild else st.integers(1, 16)) if d == -1 else d for d in dims]
+        elements = anything(wire, limits) if wild or name not in DECLARED else in_range(name, limits)
+        size = int(np.prod(shape))
+        array = np.array(data.draw(st.lists(elements, min_size=size, max_size=size)), dtype=NUMPY[wire])
+        request[name] = (wire, array.reshape(shape))
     return request
 
 
@@ -142,8 +154,9 @@ def assert_names_an_input(message: str, request: dict) -> None:
 @FUZZ
 @given(data=st.data())
 def test_random_grpc_requests_get_a_result_or_an_error_naming_an_input(server, limits, data) -> None:
-    request = draw_request(data, limits["vocab_size"])
+    request = draw_request(data, limits)
     responses, error = send(server.grpc_url, request)
+    event("result" if error is None else error[28:120])
     if error is None:
         assert_well_formed(responses, request, limits["vocab_size"])
     else:
@@ -160,6 +173,8 @@ JSON_VALUES = st.recursive(
 @FUZZ
 @given(body=st.dictionaries(st.sampled_from(list(DECLARED) + list(EXTRA_NAMES)), JSON_VALUES, max_size=6))
 def test_random_http_generate_bodies_get_200_or_400_with_a_message(server, body) -> None:
+    """A JSON value of the wrong type is refused by Triton 2.51's generate frontend itself, as a 500
+    "Unable to parse ..." before the model sees it (docs/reliability.md); any other 500 is a failure."""
     request = urllib.request.Request(f"http://{server.http_url}/v2/models/spec_decode/generate",
                                      data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     try:
@@ -167,8 +182,9 @@ def test_random_http_generate_bodies_get_200_or_400_with_a_message(server, body)
             reply = json.loads(response.read())
             assert reply["finish_reason"] in ("length", "stop") and isinstance(reply["output_ids"], list), reply
     except urllib.error.HTTPError as error:
-        assert error.code == 400, (error.code, body)
-        assert json.loads(error.read())["error"], body
+        message = json.loads(error.read())["error"]
+        assert error.code == 400 or (error.code == 500 and message.startswith("Unable to parse")), (message, body)
+        assert message, body
 
 
 def test_server_is_healthy_answers_as_before_and_holds_no_slot_after_fuzzing(server, limits) -> None:

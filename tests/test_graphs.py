@@ -177,3 +177,9 @@ def test_onnx_rejects_bf16_by_name(tmp_path):
     with pytest.raises(ValueError, match="format onnx: dtype bfloat16 is not supported"):
         export_graphs(target.to(torch.bfloat16), None, tmp_path, "onnx")
 
+
+
+def test_eager_reference_without_checkpoint_key_is_named(tmp_path):
+    (tmp_path / "target.json").write_text('{"dtype": "fp32"}')
+    with pytest.raises(ValueError, match=r"target\.json: missing key 'checkpoint'"):
+        load_step(tmp_path, "eager", "cpu")

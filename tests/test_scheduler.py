@@ -47,8 +47,11 @@ class Collect:
 
 @pytest.fixture(scope="module")
 def models(drafting_checkpoint: Path):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: a second thread only spins
     _, target, mtp = load_checkpoint(drafting_checkpoint, max_slots=MAX_SLOTS, max_seq_len=MAX_SEQ_LEN, progress=False)
-    return target, mtp
+    yield target, mtp
+    torch.set_num_threads(threads)
 
 
 def limits(**overrides) -> EngineLimits:
@@ -105,7 +108,8 @@ def test_draft_distributions_equal_the_mtp_run_over_the_whole_sequence_in_an_emp
         for b, slot in enumerate(batch.slot_ids.tolist()):  # slot i serves request i here
             n = int(batch.positions[b].max()) + 2  # sequence length when drafting
             k = int(batch.num_draft[b])
-            hops.append((slot, n, result.draft_ids[b, :k].tolist(), result.draft_probs[b, :k]))  # probs [k, V]
+            q = torch.zeros(k, VOCAB).scatter_(1, result.draft_top_ids[b, :k], result.draft_top_probs[b, :k])  # [k, V]
+            hops.append((slot, n, result.draft_ids[b, :k].tolist(), q))
         return result
 
     engine._hops.mtp = recording
@@ -127,7 +131,7 @@ def test_draft_distributions_equal_the_mtp_run_over_the_whole_sequence_in_an_emp
             for step in range(3):
                 T = n - 1 + step
                 logits, out = mtp(ids[:, :T], hidden, positions[:, :T], slot, step)  # [1, T, V], [1, T, H]
-                expected = _processed(logits[0, -1], 1.5, 3)  # [V]
+                expected = processed(logits[0, -1], 1.5, 3)  # [V]
                 torch.testing.assert_close(draft_probs[step], expected, atol=1e-5, rtol=1e-4)
                 hidden = torch.cat([hidden, out[:, -1:]], dim=1)  # [1, T+1, H]
             checked += 1
@@ -240,26 +244,27 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(dof / 2, statistic / 2))
 
 
-@pytest.mark.parametrize("num_draft_tokens", [0, 2])
-def test_sampled_tokens_follow_the_target_distribution(models, num_draft_tokens):
-    """Tokens 1-3 over many seeds against their exact marginals under the processed target.
+@pytest.mark.parametrize("num_draft_tokens, top_k, steps", [(0, 6, 3), (2, 6, 3), (2, 0, 2)])
+def test_sampled_tokens_follow_the_target_distribution(models, num_draft_tokens, top_k, steps):
+    """The first tokens over many seeds against their exact marginals under the processed target.
 
-    With k = 2, token 1 comes from prefill, tokens 2-3 from accepted, recovered or bonus tokens.
+    With k = 2, token 1 comes from prefill, later ones from accepted, recovered or bonus tokens.
+    Without top-k the MTP distribution is wider than the DRAFT_SUPPORT its drafts are drawn from.
     """
-    prompt, samples, temperature, top_k = [7, 19, 3], 1500, 1.3, 6
-    marginals = _exact_marginals(models[0], prompt, 3, temperature, top_k)  # [3, V]
+    prompt, samples, temperature = [7, 19, 3], 1500, 1.3
+    marginals = exact_marginals(models[0], prompt, steps, temperature, top_k)  # [steps, V]
     engine = scheduler(models)
-    handles = run(engine, [GenerationRequest(prompt, 4, temperature=temperature, top_k=top_k, seed=seed,
+    handles = run(engine, [GenerationRequest(prompt, steps + 1, temperature=temperature, top_k=top_k, seed=seed,
                                              num_draft_tokens=num_draft_tokens) for seed in range(samples)])
-    outputs = torch.tensor([h.final.output_ids for h in handles])  # [N, 4]
-    for i in range(3):
+    outputs = torch.tensor([h.final.output_ids for h in handles])  # [N, steps+1]
+    for i in range(steps):
         counts = torch.bincount(outputs[:, i], minlength=VOCAB).float()  # [V]
         assert chi_square_p_value(counts, marginals[i]) > 1e-3, f"token {i + 1}"
     if num_draft_tokens:
         assert engine.metrics.counters["spec_decode_num_accepted_tokens"] > samples // 2
 
 
-def _exact_marginals(target, prompt: list[int], steps: int, temperature: float, top_k: int) -> torch.Tensor:
+def exact_marginals(target, prompt: list[int], steps: int, temperature: float, top_k: int) -> torch.Tensor:
     """[steps, V]: P(token i = v), summing over every continuation inside the top-k supports."""
     slot = torch.tensor([MAX_SLOTS - 1])
     prefixes, marginals = {(): 1.0}, torch.zeros(steps, VOCAB)
@@ -269,16 +274,18 @@ def _exact_marginals(target, prompt: list[int], steps: int, temperature: float, 
             for prefix, mass in prefixes.items():
                 ids = torch.tensor([prompt + list(prefix)])  # [1, T]
                 logits, _ = target(ids, torch.arange(ids.shape[1]).view(1, -1), slot)  # [1, T, V]
-                p = _processed(logits[0, -1], temperature, top_k)  # [V]
+                p = processed(logits[0, -1], temperature, top_k)  # [V]
                 marginals[i] += mass * p
                 longer.update({prefix + (t,): mass * float(p[t]) for t in p.nonzero().squeeze(1).tolist()})
             prefixes = longer
     return marginals
 
 
-def _processed(logits: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
-    """The target distribution at one position after temperature and top-k."""
+def processed(logits: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
+    """The target distribution at one position after temperature and top-k (0: off)."""
     scaled = logits / temperature  # [V]
+    if not top_k:
+        return scaled.softmax(-1)  # [V]
     kth = scaled.topk(top_k).values[-1]
     return scaled.masked_fill(scaled < kth, float("-inf")).softmax(-1)  # [V]
 

@@ -50,7 +50,9 @@ def repository(drafting_checkpoint: Path, tmp_path_factory: pytest.TempPathFacto
 
 @pytest.fixture(scope="module")
 def server(triton_server_for, repository):
-    return triton_server_for(repository)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMP_NUM_THREADS", "1")  # the model stubs inherit it: tiny tensors, no spinning threads
+        return triton_server_for(repository)
 
 
 def _inputs(request: dict) -> list:
@@ -262,3 +264,21 @@ def test_requests_beyond_slots_and_queue_are_unavailable(server):
     assert all(final(r)["num_output_tokens"][0] == len(tokens(r)) for r in served)
     status, reply = generate_http(server, {"input_ids": [5, 6], "max_tokens": 2, "top_k": 3, "temperature": 0.5})
     assert status == 200, reply
+
+
+def test_sampled_speculative_output_follows_the_target_distribution(server, drafting_checkpoint):
+    """Tokens 1-3 over many (64-bit) seeds, through both hops, against the exact marginals."""
+    from test_scheduler import chi_square_p_value, exact_marginals
+
+    from triton_mtp.export.checkpoint import load_checkpoint
+
+    _, target, _ = load_checkpoint(drafting_checkpoint, max_slots=16, max_seq_len=MAX_SEQ_LEN, progress=False)
+    prompt, samples, temperature, top_k = [7, 19, 3], 1000, 1.3, 6
+    marginals = exact_marginals(target, prompt, 3, temperature, top_k)  # [3, V]
+    replies = stream(server, [{"input_ids": prompt, "max_tokens": 4, "temperature": temperature, "top_k": top_k,
+                               "seed": (1 << 63) + seed, "num_draft_tokens": 2} for seed in range(samples)])
+    outputs = torch.tensor([tokens(r)[:3] for r in replies])  # [N, 3]
+    for i in range(3):
+        counts = torch.bincount(outputs[:, i], minlength=VOCAB).float()  # [V]
+        assert chi_square_p_value(counts, marginals[i]) > 1e-3, f"token {i + 1}"
+    assert sum(final(r)["total_accepted_draft_tokens"][0] for r in replies) > samples // 2

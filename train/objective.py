@@ -54,11 +54,14 @@ class MTPLayer(DeepseekV3DecoderLayer):
         token_embeds: torch.Tensor,
         position_ids: torch.Tensor,
         rotary: DeepseekV3RotaryEmbedding,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """hidden[B,T,H] (depth k-1), token_embeds[B,T,H] (tokens i+k) -> hidden_out[B,T,H]."""
+        """hidden[B,T,H] (depth k-1), token_embeds[B,T,H] (tokens i+k) -> hidden_out[B,T,H].
+
+        `attention_mask[1,1,T,T]` bool (True = attend); None = causal.
+        """
         x = self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(hidden)], dim=-1))  # B, T, H
-        # no mask: SDPA attention runs causal when attention_mask is None
-        x = super().forward(x, attention_mask=None, position_ids=position_ids,
+        x = super().forward(x, attention_mask=attention_mask, position_ids=position_ids,
                             position_embeddings=rotary(x, position_ids))  # B, T, H
         return self.shared_head.norm(x)  # B, T, H
 

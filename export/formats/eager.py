@@ -96,11 +96,11 @@ def load(paths: list[Path], device: torch.device, compile: bool | None = None) -
 
     `compile` overrides the choice recorded at export.
     """
-    references = [json.loads(Path(p).read_text()) for p in paths]
+    references = [_read_reference(p) for p in paths]
     keys = ("checkpoint", "dtype", "max_slots", "max_seq_len", "compile")
     first = {k: references[0][k] for k in keys}
     for path, ref in zip(paths, references):
-        if {k: ref.get(k) for k in keys} != first:
+        if {k: ref[k] for k in keys} != first:
             raise ValueError(f"{path}: names a different checkpoint or sizes than {paths[0]}")
     _, target, mtp = load_checkpoint(
         first["checkpoint"], DTYPES[first["dtype"]], device, first["max_slots"], first["max_seq_len"], progress=False
@@ -115,3 +115,16 @@ def load(paths: list[Path], device: torch.device, compile: bool | None = None) -
         else:
             graphs.append(EagerGraph(mtp, mtp.layer_step(ref["layer"]), compile))
     return graphs
+
+
+def _read_reference(path: Path) -> dict:
+    try:
+        reference = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: invalid JSON ({exc})") from None
+    for key in ("checkpoint", "dtype", "max_slots", "max_seq_len", "step", "layer", "compile"):
+        if key not in reference:
+            raise ValueError(f"{path}: missing key {key!r}")
+    if reference["dtype"] not in DTYPES:
+        raise ValueError(f"{path}: key 'dtype' must be one of {', '.join(DTYPES)}, got {reference['dtype']!r}")
+    return reference

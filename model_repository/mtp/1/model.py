@@ -19,5 +19,6 @@ class TritonPythonModel:
 
     def _propose(self, arrays):
         result = self.worker.propose(DraftBatch.from_arrays(arrays, self.device)).to_arrays()
-        result.setdefault("draft_probs", np.zeros((0, 0, 0), dtype=np.float32))  # argmax drafts: no q
+        result.setdefault("draft_top_ids", np.zeros((0, 0, 0), dtype=np.int64))  # argmax drafts carry no q
+        result.setdefault("draft_top_probs", np.zeros((0, 0, 0), dtype=np.float32))
         return result

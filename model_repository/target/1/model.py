@@ -6,9 +6,9 @@ from triton_mtp.serving.workers import TargetBatch, TargetWorker
 
 class TritonPythonModel:
     def initialize(self, args):
-        params, self.device, dtype, max_slots = triton_io.step_model_settings(args)
+        params, self.device, _, max_slots = triton_io.step_model_settings(args)
         runner = load_step(triton_io.artifact_dir(args), params["format"], self.device)
-        self.worker = TargetWorker(runner, max_slots, self.device, dtype)
+        self.worker = TargetWorker(runner, max_slots, self.device)
 
     def execute(self, requests):
         return [triton_io.serve(request, self._verify) for request in requests]

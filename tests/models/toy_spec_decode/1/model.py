@@ -18,6 +18,7 @@ import triton_python_backend_utils as pb_utils
 
 VOCAB = 256
 DEFAULT_DRAFT_TOKENS = 2
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 class InvalidRequest(ValueError):
@@ -62,12 +63,12 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
         self.step_delay = float(params["step_delay_s"])
         self.max_draft = int(params["max_draft_tokens"])
-        self.family = pb_utils.MetricFamily(
+        self.live_family = pb_utils.MetricFamily(
             name="spec_decode_live_sequences",
             description="sequences holding a slot",
             kind=pb_utils.MetricFamily.GAUGE,
         )
-        self.slots = self.family.Metric(labels={})
+        self.live = self.live_family.Metric(labels={})
         self.finished_family = pb_utils.MetricFamily(
             name="spec_decode_finished_requests",
             description="requests finished, by finish_reason",
@@ -89,7 +90,7 @@ class TritonPythonModel:
                 job = self.parse(request)
             except InvalidRequest as exc:
                 error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
-                sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
                 continue
             thread = threading.Thread(target=self.serve, args=(request, sender, job), daemon=True)
             thread.start()
@@ -99,16 +100,16 @@ class TritonPythonModel:
     def serve(self, request, sender, job):
         """Run one request; every call into the backend holds `self.backend` (one at a time)."""
         with self.backend:
-            self.slots.increment(1)
+            self.live.increment(1)
         try:
             self.generate(request, sender, job)
         except Exception as exc:  # the request must still get its final response
             error = pb_utils.TritonError(f"toy engine failed: {exc}")
             with self.backend:
-                sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
         finally:
             with self.backend:
-                self.slots.increment(-1)
+                self.live.increment(-1)
 
     def parse(self, request):
         max_tokens = int(scalar(request, "max_tokens", 0))
@@ -185,7 +186,7 @@ class TritonPythonModel:
         with self.backend:
             self.finished[finish].increment(1)
             final = self.response(out[first:], logprobs[first:], job, totals)
-            sender.send(final, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            sender.send(final, flags=FINAL)
 
     @staticmethod
     def response(ids, logprobs, job, totals):
@@ -196,7 +197,8 @@ class TritonPythonModel:
         if job["logprobs"]:
             tensors.append(pb_utils.Tensor("logprobs", np.array(logprobs, dtype=np.float32)))  # [n]
         if totals is not None:
-            tensors.append(pb_utils.Tensor("finish_reason", np.array([totals.pop("finish_reason").encode()], dtype=object)))
+            reason = np.array([totals.pop("finish_reason").encode()], dtype=object)  # [1]
+            tensors.append(pb_utils.Tensor("finish_reason", reason))
             tensors.append(pb_utils.Tensor("accepted_per_position", totals.pop("accepted_per_position")))  # [k]
             tensors.extend(pb_utils.Tensor(name, np.array([v], dtype=np.int32)) for name, v in totals.items())  # [1]
         return pb_utils.InferenceResponse(output_tensors=tensors)

@@ -1,0 +1,278 @@
+"""Deployment files, checked offline: docker compose (GPU and CPU), the Dockerfile, the load-test
+scripts against a real server, the Prometheus and Kubernetes configurations.
+
+No Docker engine exists here: Debian's docker-compose 1.29 parses and interpolates the compose
+files (`config`), and the rest is checked against the repository itself.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+
+from triton_mtp.serving.server import TritonServer, free_ports
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE_GPU = ROOT / "docker-compose.yml"
+COMPOSE_CPU = ROOT / "docker-compose.cpu.yml"
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+K8S = ROOT / "deploy" / "k8s"
+PERF_ANALYZER_DIR = ROOT / "bench" / "perf_analyzer"
+PROFILES = ("loadtest", "monitoring", "scale-out")
+POOL_ALIAS = "triton-pool"
+# Directories the stack writes into (created by Docker on first use), not inputs that must exist.
+OUTPUT_MOUNTS = {ROOT / "runs" / "loadtest"}
+
+
+def docker_compose() -> str:
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        pytest.skip("docker-compose is not installed (apt-get install -y --no-install-recommends docker-compose)")
+    return binary
+
+
+def compose_config(path: Path, env: dict[str, str] | None = None) -> dict:
+    """The file as docker-compose resolves it: interpolated, anchors merged, all profiles on."""
+    args = [docker_compose(), "-f", str(path)]
+    for profile in PROFILES:
+        args += ["--profile", profile]
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
+    environment.update(env or {})
+    done = subprocess.run(args + ["config"], capture_output=True, text=True, env=environment, cwd=ROOT)
+    assert done.returncode == 0, f"docker-compose config {path.name} failed:\n{done.stderr}"
+    return yaml.safe_load(done.stdout)
+
+
+@pytest.fixture(scope="module")
+def gpu_config() -> dict:
+    return compose_config(COMPOSE_GPU)
+
+
+@pytest.fixture(scope="module")
+def cpu_config() -> dict:
+    return compose_config(COMPOSE_CPU)
+
+
+def bind_mounts(service: dict) -> list[tuple[Path, str]]:
+    """(host path, container path) of a service's bind mounts (named volumes left out)."""
+    mounts = []
+    for volume in service.get("volumes", []):
+        source, target = volume.split(":")[:2]
+        if source.startswith("/"):
+            mounts.append((Path(source), target))
+    return mounts
+
+
+def dockerfile_copies() -> list[tuple[list[str], str]]:
+    """(sources, destination) of every COPY in docker/Dockerfile."""
+    copies = []
+    for line in DOCKERFILE.read_text().splitlines():
+        words = line.split()
+        if words and words[0] == "COPY":
+            copies.append((words[1:-1], words[-1]))
+    return copies
+
+
+@pytest.mark.parametrize("path", [COMPOSE_GPU, COMPOSE_CPU], ids=["gpu", "cpu"])
+def test_compose_file_is_valid(path: Path) -> None:
+    args = [docker_compose(), "-f", str(path)] + [a for p in PROFILES for a in ("--profile", p)]
+    done = subprocess.run(args + ["config", "-q"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "", f"docker-compose warns about {path.name}:\n{done.stderr}"
+
+
+def test_default_stack_exports_then_serves_the_bundled_model_on_a_gpu(gpu_config: dict) -> None:
+    services = gpu_config["services"]
+    export, triton = services["export"], services["triton"]
+    assert (ROOT / "models" / "tiny-dsv3-mtp", "/checkpoint") in bind_mounts(export)
+    assert export["environment"]["EXPORT_DEVICE"] == "cuda"
+    assert triton["depends_on"] == {"export": {"condition": "service_completed_successfully"}}
+    assert "repository:/repository:ro" in triton["volumes"] and "repository:/repository:rw" in export["volumes"]
+    assert sorted((p["published"], p["target"]) for p in triton["ports"]) == [(8000, 8000), (8001, 8001), (8002, 8002)]
+    assert "/v2/health/ready" in " ".join(triton["healthcheck"]["test"])
+    shm = re.fullmatch(r"(\d+)gb", triton["shm_size"])
+    assert shm and int(shm.group(1)) >= 1, f"shm_size {triton['shm_size']} is too small for the Python backend"
+    for name in ("export", "triton", "triton-replica"):
+        (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"], name
+
+
+def test_variables_reach_the_export_and_the_gpu_reservation() -> None:
+    env = {"CHECKPOINT_DIR": "/data/DeepSeek-V3", "NUM_DRAFT_TOKENS": "3", "MAX_SLOTS": "32", "GPU_IDS": "2",
+           "TRITON_REPLICAS": "4", "LB_GRPC_PORT": "7001"}
+    services = compose_config(COMPOSE_GPU, env)["services"]
+    export = services["export"]
+    assert (Path("/data/DeepSeek-V3"), "/checkpoint") in bind_mounts(export)
+    assert export["environment"]["NUM_DRAFT_TOKENS"] == "3" and export["environment"]["MAX_SLOTS"] == "32"
+    assert services["triton"]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == ["2"]
+    assert services["triton-replica"]["deploy"]["replicas"] == 4
+    assert {"published": 7001, "target": 8001} in services["nginx"]["ports"]
+
+
+def test_cpu_variant_is_the_gpu_stack_without_gpus(gpu_config: dict, cpu_config: dict) -> None:
+    for name, service in cpu_config["services"].items():
+        assert "resources" not in service.get("deploy", {}), f"{name} reserves devices in the CPU variant"
+    assert cpu_config["services"]["export"]["environment"]["EXPORT_DEVICE"] == "cpu"
+
+    expected = json.loads(json.dumps(gpu_config))
+    for service in expected["services"].values():
+        service.get("deploy", {}).pop("resources", None)
+        if service.get("deploy") == {}:
+            del service["deploy"]
+    expected["services"]["export"]["environment"]["EXPORT_DEVICE"] = "cpu"
+    assert cpu_config == expected
+
+
+def test_scale_out_and_monitoring_reach_every_replica(gpu_config: dict) -> None:
+    services = gpu_config["services"]
+    for name in ("triton", "triton-replica"):
+        assert POOL_ALIAS in services[name]["networks"]["default"]["aliases"], name
+        assert "ports" not in services["triton-replica"], "replicas must not publish host ports (they would collide)"
+    nginx_conf = (ROOT / "docker" / "nginx.conf").read_text()
+    assert re.findall(r"server\s+([\w.-]+):(\d+);", nginx_conf) == [(POOL_ALIAS, "8000"), (POOL_ALIAS, "8001")]
+    assert "grpc_pass grpc://" in nginx_conf and re.search(r"listen\s+8001\s+http2;", nginx_conf)
+    assert nginx_conf.count("least_conn;") == 2
+
+    prometheus = yaml.safe_load((ROOT / "docker" / "prometheus.yml").read_text())
+    (job,) = prometheus["scrape_configs"]
+    (lookup,) = job["dns_sd_configs"]
+    assert lookup["names"] == [POOL_ALIAS] and lookup["port"] == 8002 and lookup["type"] == "A"
+
+
+def test_every_path_the_stack_uses_exists_in_the_repository(gpu_config: dict) -> None:
+    copied_to_path = set()
+    for sources, destination in dockerfile_copies():
+        for source in sources:
+            assert (ROOT / source).exists(), f"docker/Dockerfile copies {source}, which is not in the repository"
+            if destination.rstrip("/") == "/usr/local/bin":
+                assert os.access(ROOT / source, os.X_OK), f"{source} is not executable"
+                copied_to_path.add(Path(source).name)
+    assert (ROOT / "pyproject.toml").is_file()
+
+    for name, service in gpu_config["services"].items():
+        if "build" in service:
+            context = Path(service["build"]["context"])
+            assert (context / service["build"]["dockerfile"]).is_file(), name
+        mounts = bind_mounts(service)
+        for host, _ in mounts:
+            assert host in OUTPUT_MOUNTS or host.exists(), f"{name} mounts {host}, which does not exist"
+        command = service.get("command", [])
+        if "build" in service:
+            assert command[0] in copied_to_path, f"{name} runs {command[0]}, which the Dockerfile does not install"
+        for word in (w.split("=", 1)[-1] for w in command):
+            for host, target in mounts:
+                if word.startswith(target + "/"):
+                    path = host / word[len(target) + 1:]
+                    assert path.exists(), f"{name} uses {word} = {path}, which does not exist"
+
+
+def test_dockerfile_installs_every_runtime_dependency_but_torch() -> None:
+    """The image keeps its own torch and runs its own tritonserver; all other dependencies are listed."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = {Requirement(r).name for r in project["dependencies"] + project["optional-dependencies"]["onnx"]}
+    wanted -= {"torch", "nvidia-pytriton"}
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    listed = set()
+    for line in text.splitlines():
+        if "pip install" in line and "--no-deps" not in line:
+            words = line.split("pip install", 1)[1].split("&&")[0].split()
+            listed |= {Requirement(word.strip('"')).name for word in words if not word.startswith("-")}
+    missing = wanted - listed
+    assert not missing, f"docker/Dockerfile does not install {sorted(missing)}"
+    assert re.search(r"FROM \$\{TRITON_IMAGE\}", text) and "tritonserver:24.10-pyt-python-py3" in text
+
+
+def run_script(name: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(["sh", str(ROOT / "docker" / name)], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=60)
+
+
+def test_entrypoints_name_the_missing_input(tmp_path: Path) -> None:
+    done = run_script("export-repository.sh", {"CHECKPOINT_DIR": str(tmp_path), "MODEL_REPOSITORY": str(tmp_path / "r")})
+    assert done.returncode == 1 and done.stderr.strip().count("\n") == 0
+    assert f"CHECKPOINT_DIR={tmp_path} has no config.json" in done.stderr
+    done = run_script("serve.sh", {"MODEL_REPOSITORY": str(tmp_path)})
+    assert done.returncode == 1 and f"MODEL_REPOSITORY={tmp_path} has no spec_decode/config.pbtxt" in done.stderr
+
+
+def perf_analyzer() -> str:
+    local = ROOT / "build" / "perf_analyzer" / "bin" / "perf_analyzer"
+    binary = str(local) if local.is_file() else shutil.which("perf_analyzer")
+    if binary is None:
+        pytest.skip("perf_analyzer is not installed (bench/perf_analyzer/install.sh)")
+    return binary
+
+
+def test_loadtest_sweep_completes_against_a_real_server(tmp_path: Path, spec_decode_repository: Path) -> None:
+    grpc_port, http_port, metrics_port = free_ports(3)
+    out = tmp_path / "loadtest"
+    with TritonServer(spec_decode_repository, grpc_port, http_port, metrics_port):
+        done = subprocess.run(
+            [sys.executable, str(PERF_ANALYZER_DIR / "sweep.py"), f"--url=127.0.0.1:{grpc_port}",
+             "--draft-tokens=0,2", "--concurrency=1,2", "--max-tokens=6", "--request-count=4",
+             f"--perf-analyzer={perf_analyzer()}", f"--out={out}", "--", "--max-trials=3", "--stability-percentage=999"],
+            capture_output=True, text=True, timeout=300,
+        )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    with open(out / "summary.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(r["num_draft_tokens"], r["Concurrency"]) for r in rows] == [("0", "1"), ("0", "2"), ("2", "1"), ("2", "2")]
+    assert all(float(r["Inferences/Second"]) > 0 for r in rows)
+    inputs = json.loads((out / "inputs_k2.json").read_text())["data"]
+    assert all(e["num_draft_tokens"] == [2] and e["max_tokens"] == [6] and e["text_input"] for e in inputs)
+
+
+@pytest.fixture(scope="module")
+def k8s_documents() -> dict[str, dict]:
+    """kind -> manifest, each validated against the Kubernetes schema (strict: unknown fields fail)."""
+    import kubernetes_validate
+
+    documents = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        for document in yaml.safe_load_all(path.read_text()):
+            try:
+                kubernetes_validate.validate(document, kubernetes_validate.latest_version(), strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(f"{path.name}: {exc.message} at {'.'.join(map(str, exc.path))}")
+            documents[document["kind"]] = document
+    return documents
+
+
+def test_kubernetes_deployment_exports_then_serves_on_one_gpu_per_pod(k8s_documents: dict, gpu_config: dict) -> None:
+    pod = k8s_documents["Deployment"]["spec"]["template"]["spec"]
+    (export,), (triton,) = pod["initContainers"], pod["containers"]
+    assert export["command"] == gpu_config["services"]["export"]["command"]
+    assert triton["command"] == gpu_config["services"]["triton"]["command"]
+    compose_env = {k: v for k, v in gpu_config["services"]["export"]["environment"].items() if v}  # "" = unset
+    assert {e["name"]: e["value"] for e in export["env"]} == {**compose_env, "MODEL_REPOSITORY": "/repository"}
+
+    assert triton["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
+    assert {p["name"]: p["containerPort"] for p in triton["ports"]} == {"http": 8000, "grpc": 8001, "metrics": 8002}
+    for container in (export, triton):
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1, container["name"]
+
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in triton["volumeMounts"]}
+    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    assert mounts["/repository"] in {m["name"] for m in export["volumeMounts"] if m["mountPath"] == "/repository"}
+    claim = volumes["checkpoint"]["persistentVolumeClaim"]["claimName"]
+    assert claim == k8s_documents["PersistentVolumeClaim"]["metadata"]["name"]
+
+
+def test_kubernetes_service_selects_the_pods_and_exposes_their_ports(k8s_documents: dict) -> None:
+    deployment, service = k8s_documents["Deployment"], k8s_documents["Service"]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    (triton,) = deployment["spec"]["template"]["spec"]["containers"]
+    container_ports = {p["name"] for p in triton["ports"]}
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == container_ports
