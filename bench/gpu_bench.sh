@@ -18,9 +18,9 @@
 # $OUT/bench.log has every stage's output and $OUT/server.log the server's log.
 #
 # Where the project is not pip-installed (the GPU host) a PYTHONPATH shim of symlinks stands in for it.
-# Where tritonserver or tritonclient are not installed, they come from .bundle/ (tools/offline-bundle.sh:
-# tritonserver.tar.xz laid out as nvidia-pytriton's wheel lays it out, wheels/ installed into a --target
-# directory). The Python backend stub sees neither PYTHONPATH nor numpy < 2, so while the triton stage
+# Where tritonserver or tritonclient are not installed, they come from .bundle/: tritonserver.tar.xz
+# (triton-bundle/{bin,backends,lib}, linked into the layout of nvidia-pytriton's wheel, which is where
+# serving/server.py looks) and wheels/ (tritonclient, python-rapidjson, numpy 1.26.4; into --target dirs). The Python backend stub sees neither PYTHONPATH nor numpy < 2, so while the triton stage
 # runs a .pth file in this interpreter's site-packages puts numpy 1.26 and the shim first on its path.
 #
 # BENCH_SMOKE=1: tiny sizes on CPU (fp32, eager, 2 prompts of 16 tokens, k=1,2, streams 1,2; a synthetic
@@ -107,7 +107,7 @@ stage() {  # stage NAME SECONDS CMD...: run under a time limit (cut to what the 
     local name=$1 seconds=$2
     shift 2
     [ "$limit" -gt 0 ] && seconds=$limit
-    local left=$((deadline - SECONDS - 20))
+    local left=$((deadline - SECONDS - 30))
     [ "$seconds" -gt "$left" ] && seconds=$left
     if [ "$seconds" -lt 10 ]; then
         say "stage $name skipped: the deadline of ${deadline}s is near"
@@ -115,7 +115,7 @@ stage() {  # stage NAME SECONDS CMD...: run under a time limit (cut to what the 
     fi
     say "stage $name (limit ${seconds}s): $*"
     local start=$SECONDS
-    timeout --kill-after=10 "$seconds" "$@" >>"$log" 2>&1
+    timeout --kill-after=15 "$seconds" "$@" >>"$log" 2>&1
     local rc=$?
     say "stage $name: exit $rc after $((SECONDS - start))s"
     python -m bench.report --stages "$stages" --out "$OUT" >/dev/null 2>>"$log"  # results so far, in case of a kill

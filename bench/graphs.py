@@ -61,6 +61,8 @@ class CompiledStep:
 
 
 class EagerStep:
+    """The step as it is, under no_grad (CPU, or a reference run on GPU)."""
+
     def __init__(self, step: Step) -> None:
         self.step = step
 

@@ -12,6 +12,7 @@ import time
 
 import torch
 from transformers import DeepseekV3ForCausalLM
+from transformers.utils import logging as hf_logging
 
 from bench.common import environment, held_out_prompts, synchronize, write_result
 from triton_mtp.export.checkpoint import resolve_dtype
@@ -19,6 +20,7 @@ from triton_mtp.export.checkpoint import resolve_dtype
 
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
+    hf_logging.set_verbosity_error()  # the unused MTP tensors are expected
     model = DeepseekV3ForCausalLM.from_pretrained(args.checkpoint, dtype=resolve_dtype(args.dtype)).to(device).eval()
     prompts = held_out_prompts(args.checkpoint, args.prompts, args.prompt_tokens)
     eos = model.config.eos_token_id

@@ -91,11 +91,16 @@ class SelectedExpertsMoE(nn.Module):
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
-def use_selected_experts(model: nn.Module, use_grouped_mm: bool | None = None) -> int:
-    """Swap every decoder layer's MoE for a SelectedExpertsMoE in place; returns how many were swapped."""
-    swapped = 0
-    for module in list(model.modules()):
-        if isinstance(getattr(module, "mlp", None), MoE):
-            module.mlp = SelectedExpertsMoE(module.mlp, use_grouped_mm)
-            swapped += 1
+def use_selected_experts(model: nn.Module, use_grouped_mm: bool | None = None) -> list[tuple[nn.Module, MoE]]:
+    """Swap every decoder layer's MoE for a SelectedExpertsMoE in place; returns (layer, replaced MoE) pairs.
+
+    The replaced MoE modules still work (their experts view the stacked weights): assigning them back
+    to `layer.mlp` restores the dense MoE.
+    """
+    swapped = []
+    for layer in list(model.modules()):
+        moe = getattr(layer, "mlp", None)
+        if isinstance(moe, MoE):
+            layer.mlp = SelectedExpertsMoE(moe, use_grouped_mm)
+            swapped.append((layer, moe))
     return swapped

@@ -49,7 +49,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def ratios(results: dict[str, Any]) -> dict[str, float | None]:
     """The targets' ratios from one run's results (None where an input is missing)."""
-    best = str(results.get("triton", {}).get("best_k", ""))
+    batch1 = results.get("triton", {}).get("batch1", {})
+    spec = {k: r["tokens_per_s"] for k, r in batch1.items() if k != "0"}
+    best = max(spec, key=spec.get) if spec else ""
     plain = _get(results, "triton", "batch1", "0", "tokens_per_s")
     standalone = [_get(results, stage, "runs", "0", "tokens_per_s") for stage in STANDALONE]
     return {
@@ -62,6 +64,17 @@ def ratios(results: dict[str, Any]) -> dict[str, float | None]:
         "P4": _get(results, "realistic", "moe", "selected", "step_over_floor"),
         "P5": _ratio(plain, _get(results, "hf_generate", "tokens_per_s")),
     }
+
+
+def same_outputs(results: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """Per k run by both: requests whose greedy tokens through Triton equal the standalone loop's."""
+    triton = results.get("triton", {}).get("batch1", {})
+    standalone = results.get("standalone", {}).get("runs", {})
+    matches = {}
+    for k in triton.keys() & standalone.keys():
+        a, b = triton[k].get("outputs", []), standalone[k].get("outputs", [])
+        matches[k] = (sum(x == y for x, y in zip(a, b)), min(len(a), len(b)))
+    return dict(sorted(matches.items()))
 
 
 def _met(value: float | None, comparison: str, threshold: float) -> str:
@@ -84,7 +97,7 @@ def markdown(results: dict[str, Any], targets: dict[str, float | None]) -> str:
     lines.append("Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()))
     missing = [s for s in STAGES if s not in results]
     if missing:
-        lines.append(f"Missing (the stage failed; see bench.log): {', '.join(missing)}")
+        lines.append(f"Not in this run (skipped, failed or cut by the deadline; see bench.log): {', '.join(missing)}")
     lines += ["", "## Targets", "", "| target | what | ratio | goal | result |", "|---|---|---|---|---|"]
     for name, (what, comparison, threshold) in TARGETS.items():
         value = targets[name]
@@ -104,6 +117,10 @@ def markdown(results: dict[str, Any], targets: dict[str, float | None]) -> str:
                          f"| {_fmt(r.get('mean_accepted_length'))} | {_fmt(r.get('hops_per_token'))} |")
     if "hf_generate" in results:
         lines.append(f"| transformers generate | {_fmt(results['hf_generate']['tokens_per_s'], 1)} | - | - | - | - | - | - |")
+    matches = same_outputs(results)
+    if matches:
+        lines += ["", "Greedy outputs through Triton equal the standalone loop's: "
+                  + ", ".join(f"k={k} {same}/{total} requests" for k, (same, total) in matches.items()) + "."]
     sweep = results.get("triton", {}).get("sweep", {})
     if sweep:
         lines += ["", f"## Concurrency sweep (spec: k={results['triton'].get('best_k')})", "",
@@ -172,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = load_stages(Path(args.stages))
     targets = ratios(results)
-    (out / "results.json").write_text(json.dumps({"targets": targets, **results}, indent=2) + "\n")
+    summary = {"targets": targets, "triton_equals_standalone": same_outputs(results), **results}
+    (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "results.md").write_text(markdown(results, targets))
     plots(results, out)
     for name, value in targets.items():

@@ -123,8 +123,11 @@ def mixed_requests(count: int, pool: list[Prompt], max_draft: int, seed: int = 0
     return requests
 
 
-def run_one(client: grpcclient.InferenceServerClient, request: SoakRequest, stream: bool = True) -> StreamResult:
-    """Send `request` on a fresh gRPC stream and collect its responses until the final one."""
+def run_one(client: grpcclient.InferenceServerClient, request: SoakRequest, stream: bool = True,
+            timeout: float = RESPONSE_TIMEOUT_S) -> StreamResult:
+    """Send `request` on a fresh gRPC stream and collect its responses until the final one.
+
+    A gap of more than `timeout` seconds between responses ends the request with an error."""
     result = StreamResult(request)
     arrived: queue.Queue = queue.Queue()
     start = time.monotonic()
@@ -134,9 +137,9 @@ def run_one(client: grpcclient.InferenceServerClient, request: SoakRequest, stre
                                   enable_empty_final_response=True)
         while True:
             try:
-                response, error = arrived.get(timeout=RESPONSE_TIMEOUT_S)
+                response, error = arrived.get(timeout=timeout)
             except queue.Empty:
-                result.error = f"no response within {RESPONSE_TIMEOUT_S:.0f}s"
+                result.error = f"no response within {timeout:.0f}s"
                 break
             if error is not None:
                 result.error = str(error)

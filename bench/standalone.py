@@ -157,8 +157,7 @@ class StandaloneDecoder:
             hidden = torch.zeros(1, W, H, dtype=self.hidden_dtype, device=self.device)  # [1, W, H]
             hidden[0, :n] = torch.stack(chain_hidden[first:])  # [n, H]
             logits, hid = self.mtp_steps[layer](
-                self._padded(torch.stack(chain_tokens[first:])), hidden, self._positions(pos - 1 + first + 1, n, W),
-                self.slot,
+                self._padded(torch.stack(chain_tokens[first:])), hidden, self._positions(pos + first, n, W), self.slot
             )  # [1, W, V], [1, W, H]
             drafts.append(logits[0, n - 1].argmax())
             draft_hidden = hid[0, n - 1].clone()
@@ -194,6 +193,7 @@ def summarize(runs: list[Generation], k: int) -> dict:
         "tokens_per_s": tokens / seconds if seconds else 0.0,
         "ttft": latency_summary([r.ttft_s for r in runs]),
         "itl": latency_summary([g for r in runs for g in r.gaps]),
+        "outputs": [r.tokens for r in runs],
     }
     if k:
         result.update(acceptance_summary(per_position, drafts, accepted))
@@ -219,11 +219,10 @@ def run(args: argparse.Namespace) -> dict:
         decoder.generate(prompts[0], min(args.max_tokens, 8), k)  # warm-up: compiles / captures
         runs = [decoder.generate(p, args.max_tokens, k) for p in prompts]
         results["runs"][str(k)] = summarize(runs, k)
-        if k == 0:
-            plain_tokens = [r.tokens for r in runs]
-        else:
-            results["runs"][str(k)]["same_tokens_as_plain"] = [r.tokens for r in runs] == plain_tokens
+        if k:
+            results["runs"][str(k)]["same_tokens_as_plain"] = [r.tokens for r in runs] == results["runs"]["0"]["outputs"]
         print(f"standalone k={k}: {results['runs'][str(k)]['tokens_per_s']:.1f} tokens/s", flush=True)
+        write_result(args.out, results)  # what is done so far survives a time limit
     return results
 
 
@@ -238,8 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
-    args = parser.parse_args(argv)
-    write_result(args.out, run(args))
+    run(parser.parse_args(argv))
     return 0
 
 

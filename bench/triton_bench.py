@@ -37,6 +37,7 @@ from bench.common import acceptance_summary, environment, held_out_prompts, late
 MODEL = "spec_decode"
 HOP_MODELS = ("target", "mtp")
 RESPONSE_TIMEOUT_S = 300.0
+STOP_GRACE_S = 5.0  # the stage's time limit leaves little room for a slow shutdown
 _SUCCESS = re.compile(r'^nv_inference_request_success\{[^}]*model="([^"]+)"[^}]*\}\s+([0-9.e+]+)', re.MULTILINE)
 
 
@@ -44,7 +45,7 @@ _SUCCESS = re.compile(r'^nv_inference_request_success\{[^}]*model="([^"]+)"[^}]*
 class RequestStats:
     """What one streamed request gave back."""
 
-    tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)
     ttft_s: float = 0.0
     total_s: float = 0.0
     gaps: list[float] = field(default_factory=list)  # per response after the first: seconds / tokens carried
@@ -89,11 +90,11 @@ class StreamClient:
             ids = result.as_numpy("output_ids")
             n = 0 if ids is None else int(ids.size)
             if n:
-                if stats.tokens == 0:
+                if not stats.output_ids:
                     stats.ttft_s = now - sent
                 else:
                     stats.gaps.append((now - last) / n)
-                stats.tokens += n
+                stats.output_ids += ids.reshape(-1).tolist()
                 last = now
             drafts = _scalar(result, "total_draft_tokens")
             if drafts is not None:
@@ -117,12 +118,15 @@ def hop_counts(metrics_url: str) -> dict[str, float]:
 
 
 def run_level(url: str, metrics_url: str, prompts: list[list[int]], streams: int, requests: int,
-              max_tokens: int, k: int) -> dict:
-    """`requests` requests over `streams` concurrent streams (prompts cycled); the run's summary."""
+              max_tokens: int, k: int, keep_outputs: bool = False) -> dict:
+    """`requests` requests over `streams` concurrent streams (prompts cycled); the run's summary.
+
+    keep_outputs: add each request's output ids, in request order, as "outputs".
+    """
     work = queue.Queue()
     for i, prompt in zip(range(requests), itertools.cycle(prompts)):
         work.put((i, prompt))
-    stats: list[RequestStats] = []
+    stats: dict[int, RequestStats] = {}
     errors: list[str] = []
     lock = threading.Lock()
     clients = [StreamClient(url) for _ in range(streams)]
@@ -140,11 +144,11 @@ def run_level(url: str, metrics_url: str, prompts: list[list[int]], streams: int
                     errors.append(str(exc))
                 return
             with lock:
-                stats.append(s)
+                stats[i] = s
 
     before = hop_counts(metrics_url)
     start = time.perf_counter()
-    threads = [threading.Thread(target=worker, args=(c,)) for c in clients]
+    threads = [threading.Thread(target=worker, args=(c,), daemon=True) for c in clients]
     for t in threads:
         t.start()
     for t in threads:
@@ -155,16 +159,20 @@ def run_level(url: str, metrics_url: str, prompts: list[list[int]], streams: int
         c.close()
     if errors:
         raise RuntimeError(f"{len(errors)} of {requests} requests failed at {streams} streams, k={k}: {errors[0]}")
-    tokens = sum(s.tokens for s in stats)
+    outputs = [stats[i].output_ids for i in sorted(stats)]
+    stats = list(stats.values())
+    tokens = sum(len(s.output_ids) for s in stats)
     hops = sum(after.get(m, 0.0) - before.get(m, 0.0) for m in HOP_MODELS)
     result = {
         "num_draft_tokens": k, "streams": streams, "requests": len(stats), "output_tokens": tokens,
         "wall_s": wall, "tokens_per_s": tokens / wall if wall else 0.0,
-        "per_stream_tokens_per_s": float(np.mean([s.tokens / s.total_s for s in stats if s.total_s])) if stats else 0.0,
+        "per_stream_tokens_per_s": float(np.mean([len(s.output_ids) / s.total_s for s in stats if s.total_s])) if stats else 0.0,
         "ttft": latency_summary([s.ttft_s for s in stats]),
         "itl": latency_summary([g for s in stats for g in s.gaps]),
         "hops": hops, "hops_per_token": hops / tokens if tokens else 0.0,
     }
+    if keep_outputs:
+        result["outputs"] = outputs
     if k:
         per_position = [sum(s.accepted_per_position[j] for s in stats if j < len(s.accepted_per_position))
                         for j in range(k)]
@@ -188,24 +196,24 @@ def run(args: argparse.Namespace, url: str, metrics_url: str) -> dict:
               "max_tokens": args.max_tokens, "environment": environment(), "batch1": {}, "sweep": {}}
     for k in [0, *draft_counts]:
         run_level(url, metrics_url, prompts, 1, args.warmup, args.max_tokens, k)
-        level = run_level(url, metrics_url, prompts, 1, len(prompts), args.max_tokens, k)
+        level = run_level(url, metrics_url, prompts, 1, len(prompts), args.max_tokens, k, keep_outputs=True)
         result["batch1"][str(k)] = level
         print(f"triton batch 1, k={k}: {level['tokens_per_s']:.1f} tokens/s, "
               f"{level['hops_per_token']:.2f} hops/token", flush=True)
+        write_result(args.out, result)  # what is done so far survives a time limit
     spec = {k: result["batch1"][str(k)]["tokens_per_s"] for k in draft_counts}
     best_k = max(spec, key=spec.get) if spec else 0
     result["best_k"] = best_k
-    for name, k in (("plain", 0), ("spec", best_k)):
-        if name == "spec" and not best_k:
-            continue
-        result["sweep"][name] = {}
-        for streams in [int(c) for c in args.concurrency.split(",") if c]:
-            requests = max(streams * args.requests_per_stream, len(prompts))
+    modes = {"plain": 0, "spec": best_k} if best_k else {"plain": 0}
+    for streams in [int(c) for c in args.concurrency.split(",") if c]:  # plain and spec side by side per level
+        requests = max(streams * args.requests_per_stream, len(prompts))
+        for name, k in modes.items():
             run_level(url, metrics_url, prompts, streams, streams, min(args.max_tokens, 16), k)  # new batch shapes
             level = run_level(url, metrics_url, prompts, streams, requests, args.max_tokens, k)
-            result["sweep"][name][str(streams)] = level
+            result["sweep"].setdefault(name, {})[str(streams)] = level
             print(f"triton {name} (k={k}) {streams} streams: {level['tokens_per_s']:.1f} tokens/s, "
                   f"ITL p50 {level['itl']['p50_ms']:.2f} ms", flush=True)
+            write_result(args.out, result)
     return result
 
 
@@ -237,12 +245,12 @@ def main(argv: list[str] | None = None) -> int:
             grpc_port, http_port, metrics_port = free_ports(3)
             server = TritonServer(args.repository, grpc_port, http_port, metrics_port, log_path=args.server_log)
             server.start()
-            stack.callback(server.stop)
+            stack.callback(server.stop, STOP_GRACE_S)
             server.wait_ready(args.ready_timeout)
             url, metrics_url = server.grpc_url, server.metrics_url
         else:
             url, metrics_url = args.url, args.metrics_url
-        write_result(args.out, run(args, url, metrics_url))
+        run(args, url, metrics_url)
     return 0
 
 

@@ -7,8 +7,9 @@
     │       └── ServerUnreachableError   nothing accepts connections at the URL
     └── GenerateTimeoutError      the request ran past its timeout (also a TimeoutError)
 
-Over gRPC, Triton reports a streamed request's own errors in-band as a bare message with no status
-code; those are `InvalidArgumentError` unless the message says the model is unknown, not ready or busy.
+Triton passes on the errors a decoupled model sends for a request without their code: over gRPC as a
+bare in-band message, over the HTTP generate extension as status 400 (an internal error included).
+Those are `InvalidArgumentError` unless the message says the model is unknown, not ready or busy.
 """
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ def from_grpc(error: grpc.RpcError, url: str, timeout: float | None) -> TritonMT
 def from_http(status: int, message: str, url: str) -> ServerError:
     """Map an HTTP error status and the server's `{"error": ...}` text to its exception."""
     if status == 400:
-        return InvalidArgumentError(message, url)
+        return from_message(message, url)
     if status in (404, 503):
         return UnavailableError(message, url)
     return ServerError(f"HTTP {status}: {message}", url)

@@ -59,10 +59,6 @@ class GenerationRequest:
     return_logprobs: bool = False
     stream: bool = False
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
 
 @dataclass
 class GenerationResponse:

@@ -47,7 +47,7 @@ class ResponseHandle(Protocol):
     def is_cancelled(self) -> bool: ...
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is itself: compared by identity
 class _Sequence:
     request: GenerationRequest
     handle: ResponseHandle
@@ -148,7 +148,11 @@ class Scheduler:
                     self._cond.wait()
                 if self._stopping:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception as exc:  # noqa: BLE001 - the loop must outlive any one step
+                for s in list(self._live):
+                    self._fail(s, f"spec_decode: {type(exc).__name__}: {exc}")
 
     def run_until_idle(self) -> None:
         """Step until no request is live or waiting (for in-process use)."""

@@ -95,7 +95,8 @@ class BlsHops:
     """The scheduler's two hops as BLS calls into the `target` and `mtp` models."""
 
     def target(self, batch: TargetBatch) -> TargetResult:
-        return TargetResult.from_arrays(_exec("target", batch.to_arrays(), ["output_ids", "num_accepted", "logprobs", "hidden"]))
+        outputs = ["output_ids", "num_accepted", "logprobs", "hidden"]
+        return TargetResult.from_arrays(_exec("target", batch.to_arrays(), outputs))
 
     def mtp(self, batch: DraftBatch) -> DraftResult:
         arrays = _exec("mtp", batch.to_arrays(), ["draft_ids", "draft_top_ids", "draft_top_probs"])
@@ -138,7 +139,9 @@ def step_model_settings(args: dict) -> tuple[dict[str, str], torch.device, torch
         if key not in params:
             raise ValueError(f"config.pbtxt: parameter {key!r} is missing")
     if params["format"] not in FORMATS:
-        raise ValueError(f"config.pbtxt: parameter 'format' must be one of {', '.join(FORMATS)}, got {params['format']!r}")
+        raise ValueError(
+            f"config.pbtxt: parameter 'format' must be one of {', '.join(FORMATS)}, got {params['format']!r}"
+        )
     if params["dtype"] not in DTYPES:
         raise ValueError(f"config.pbtxt: parameter 'dtype' must be one of {', '.join(DTYPES)}, got {params['dtype']!r}")
     device = params["device"]

@@ -33,7 +33,7 @@ class _Payload:
     """Tensor fields <-> numpy arrays named by field; an absent optional field is None."""
 
     @classmethod
-    def from_arrays(cls, arrays: dict[str, np.ndarray], device: torch.device | str = "cpu"):
+    def from_arrays(cls, arrays: dict[str, np.ndarray]):
         values = {}
         for f in dataclasses.fields(cls):
             array = arrays.get(f.name)
@@ -42,8 +42,13 @@ class _Payload:
                     raise ValueError(f"{f.name}: missing input tensor")
                 values[f.name] = None
             else:
-                values[f.name] = torch.from_numpy(np.ascontiguousarray(array)).to(device)
+                values[f.name] = torch.from_numpy(np.ascontiguousarray(array))
         return cls(**values)
+
+    def to(self, device: torch.device):
+        """The same payload with every tensor on `device`."""
+        moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return dataclasses.replace(self, **{name: t.to(device) for name, t in moved.items() if t is not None})
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         return {
@@ -147,6 +152,7 @@ class TargetWorker:
 
     @torch.no_grad()
     def verify(self, batch: TargetBatch) -> TargetResult:
+        batch = batch.to(self._device)
         _check_slots(batch.slot_ids, self._max_slots)
         generators = self._generators.rows(batch.slot_ids, batch.seeds, batch.new)
         logits, hidden = self._target(batch.token_ids, batch.positions, batch.slot_ids)  # [B, T, V], [B, T, H]
@@ -172,7 +178,8 @@ class TargetWorker:
             )  # [b], [b, k+1]
             num_accepted[rows] = accepted
             output_ids[rows, : k + 1] = emitted
-        logprobs = window_logits.log_softmax(-1).gather(-1, output_ids.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # [B, K+1]
+        emitted_ids = output_ids.clamp(min=0).unsqueeze(-1)  # [B, K+1, 1]
+        logprobs = window_logits.log_softmax(-1).gather(-1, emitted_ids).squeeze(-1)  # [B, K+1]
         return TargetResult(output_ids, num_accepted, logprobs, hidden.float())
 
 
@@ -192,6 +199,7 @@ class DraftWorker:
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> DraftResult:
+        batch = batch.to(self._device)
         _check_slots(batch.slot_ids, self._max_slots)
         generators = self._generators.rows(batch.slot_ids, batch.seeds, batch.new)
         params = batch.sampling()

@@ -95,6 +95,7 @@ def test_smoke_run_through_triton_accepts_every_perfect_draft(smoke_run):
 
 def test_smoke_run_standalone_matches_the_server(smoke_run):
     results = json.loads((smoke_run / "results.json").read_text())
+    assert results["triton_equals_standalone"] == {"0": [2, 2], "1": [2, 2], "2": [2, 2]}
     for k in ("1", "2"):
         run = results["standalone"]["runs"][k]
         assert run["same_tokens_as_plain"]

@@ -1,7 +1,7 @@
 """The client library against a real tritonserver: sync and asyncio, gRPC and HTTP, streaming,
 cancellation, timeouts and typed errors.
 
-`engine` serves the real `spec_decode` (the tiny DeepSeek-V3 of tests/tiny_config.py, exported);
+`engine` serves the real `spec_decode` (conftest `spec_decode_repository`: the tiny DeepSeek-V3);
 `server` serves tests/models/toy_spec_decode, the public interface over a fake engine whose requests
 can run for as long as a test needs. Both count live sequences in `spec_decode_live_sequences` and
 finished requests in `spec_decode_finished_requests{reason}`.
@@ -32,8 +32,9 @@ PROTOCOLS = ["grpc", "http"]
 LIVE = "spec_decode_live_sequences"
 CANCELLED = 'spec_decode_finished_requests{reason="cancelled"}'
 LONG = 100_000  # max_tokens of a toy request that only ends when cancelled
-ENGINE_SLOTS = 4
-ENGINE_MAX_SEQ_LEN = 64
+TOY_SLOTS = 16  # max_slots in tests/models/toy_spec_decode/config.pbtxt
+ENGINE_SLOTS = 4  # max_slots of spec_decode_repository
+ENGINE_LONG = 120  # max_tokens that fill its max_seq_len (128) after a two-token prompt
 
 
 @pytest.fixture(scope="module")
@@ -42,17 +43,8 @@ def server(toy_spec_decode_server):
 
 
 @pytest.fixture(scope="module")
-def engine(triton_server_for, drafting_checkpoint, tmp_path_factory):
-    from test_spec_decode import word_tokenizer
-
-    from triton_mtp.export.repository import write_repository
-
-    word_tokenizer(drafting_checkpoint / "tokenizer.json")
-    repo = tmp_path_factory.mktemp("client_engine_repository")
-    write_repository(drafting_checkpoint, repo, fmt="torchscript", max_slots=ENGINE_SLOTS,
-                     max_seq_len=ENGINE_MAX_SEQ_LEN, max_draft_tokens=4, default_num_draft_tokens=2,
-                     max_queue_size=16, progress=False, log=lambda line: None)
-    return triton_server_for(repo)
+def engine(triton_server_for, spec_decode_repository):
+    return triton_server_for(spec_decode_repository)
 
 
 def url_of(server, protocol: str) -> str:
@@ -91,7 +83,7 @@ def sync_generate(url: str, protocol: str, stream: bool, **request) -> Completio
 
 
 def test_greedy_ids_are_identical_for_sync_async_grpc_http_stream_and_not(engine):
-    request = {"input_ids": [9, 10, 11], "max_tokens": 24, "num_draft_tokens": 3}
+    request = {"input_ids": [9, 10, 11], "max_tokens": 24, "num_draft_tokens": 3, "temperature": 0.0}
     results = {}
     for protocol in PROTOCOLS:
         url = url_of(engine, protocol)
@@ -109,16 +101,18 @@ def test_greedy_ids_are_identical_for_sync_async_grpc_http_stream_and_not(engine
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_stream_yields_each_steps_tokens_then_the_completion(server, protocol):
+@pytest.mark.parametrize("serving", ["server", "engine"])
+def test_stream_yields_each_steps_tokens_then_the_completion(request, serving, protocol):
+    server = request.getfixturevalue(serving)
     with Client(url_of(server, protocol), protocol=protocol, timeout=60) as client:
-        items = list(client.stream(input_ids=[104, 105], max_tokens=12, return_logprobs=True))
-        whole = client.generate(input_ids=[104, 105], max_tokens=12, return_logprobs=True)
+        items = list(client.stream(input_ids=[104, 105], max_tokens=12, num_draft_tokens=3, return_logprobs=True))
+        whole = client.generate(input_ids=[104, 105], max_tokens=12, num_draft_tokens=3, return_logprobs=True)
     *deltas, completion = items
     assert len(deltas) > 1 and all(isinstance(d, Delta) and d.ids for d in deltas)
     assert isinstance(completion, Completion)
     assert [i for d in deltas for i in d.ids] == completion.ids == whole.ids
     assert "".join(d.text for d in deltas) == completion.text
-    assert completion.logprobs == whole.logprobs and len(completion.logprobs) == 12
+    assert completion.logprobs == pytest.approx(whole.logprobs) and len(completion.logprobs) == 12
     assert completion.usage.input_tokens == 2 and completion.usage.output_tokens == 12
     assert completion.acceptance.steps == len(deltas) - 1  # one response for prefill, one per step
 
@@ -149,7 +143,7 @@ def test_acceptance_figures_follow_the_vllm_conventions():
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_leaving_a_sync_stream_early_frees_its_slot(engine, protocol):
     before = gauge(engine, CANCELLED)
-    request = {"input_ids": [9, 10], "max_tokens": ENGINE_MAX_SEQ_LEN - 4, "num_draft_tokens": 0}
+    request = {"input_ids": [9, 10], "max_tokens": ENGINE_LONG, "num_draft_tokens": 0}
     with Client(url_of(engine, protocol), protocol=protocol, timeout=60) as client:
         for _ in client.stream(**request):
             break
@@ -168,7 +162,7 @@ def test_cancelling_an_async_task_frees_its_slot(engine, protocol):
             started = asyncio.Event()
 
             async def consume() -> None:
-                async for _ in client.stream(input_ids=[9, 10], max_tokens=ENGINE_MAX_SEQ_LEN - 4, num_draft_tokens=0):
+                async for _ in client.stream(input_ids=[9, 10], max_tokens=ENGINE_LONG, num_draft_tokens=0):
                     started.set()
                     await asyncio.sleep(3600)  # cancelled here, inside the loop body
 
@@ -210,6 +204,26 @@ def test_unknown_model_is_unavailable(server, protocol):
     with Client(url_of(server, protocol), protocol=protocol, timeout=60, model="no_such_model") as client:
         with pytest.raises(UnavailableError, match="no_such_model"):
             client.generate("hi", max_tokens=2)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_all_slots_busy_is_unavailable(server, protocol):
+    async def scenario() -> None:
+        async with AsyncClient(url_of(server, protocol), protocol=protocol, timeout=60) as client:
+            async def hold() -> None:
+                async for _ in client.stream("hi", max_tokens=LONG):
+                    pass
+
+            holders = [asyncio.create_task(hold()) for _ in range(TOY_SLOTS)]
+            await asyncio.to_thread(wait_for, server, LIVE, TOY_SLOTS)
+            with pytest.raises(UnavailableError, match=f"all {TOY_SLOTS} slots are busy"):
+                await client.generate("hi", max_tokens=2)
+            for task in holders:
+                task.cancel()
+            await asyncio.gather(*holders, return_exceptions=True)
+
+    asyncio.run(scenario())
+    wait_for(server, LIVE, 0)
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)

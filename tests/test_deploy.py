@@ -7,20 +7,24 @@ files (`config`), and the rest is checked against the repository itself.
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import tomllib
+import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from triton_mtp.serving.server import TritonServer, free_ports
+from triton_mtp.serving.server import TritonServer, backend_directory, find_tritonserver, free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_GPU = ROOT / "docker-compose.yml"
@@ -137,7 +141,7 @@ def test_scale_out_and_monitoring_reach_every_replica(gpu_config: dict) -> None:
     services = gpu_config["services"]
     for name in ("triton", "triton-replica"):
         assert POOL_ALIAS in services[name]["networks"]["default"]["aliases"], name
-        assert "ports" not in services["triton-replica"], "replicas must not publish host ports (they would collide)"
+    assert "ports" not in services["triton-replica"], "replicas must not publish host ports (they would collide)"
     nginx_conf = (ROOT / "docker" / "nginx.conf").read_text()
     assert re.findall(r"server\s+([\w.-]+):(\d+);", nginx_conf) == [(POOL_ALIAS, "8000"), (POOL_ALIAS, "8001")]
     assert "grpc_pass grpc://" in nginx_conf and re.search(r"listen\s+8001\s+http2;", nginx_conf)
@@ -157,7 +161,6 @@ def test_every_path_the_stack_uses_exists_in_the_repository(gpu_config: dict) ->
             if destination.rstrip("/") == "/usr/local/bin":
                 assert os.access(ROOT / source, os.X_OK), f"{source} is not executable"
                 copied_to_path.add(Path(source).name)
-    assert (ROOT / "pyproject.toml").is_file()
 
     for name, service in gpu_config["services"].items():
         if "build" in service:
@@ -192,9 +195,9 @@ def test_dockerfile_installs_every_runtime_dependency_but_torch() -> None:
     assert re.search(r"FROM \$\{TRITON_IMAGE\}", text) and "tritonserver:24.10-pyt-python-py3" in text
 
 
-def run_script(name: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+def run_script(name: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(["sh", str(ROOT / "docker" / name)], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=60)
+                          env={**os.environ, **env}, timeout=timeout)
 
 
 def test_entrypoints_name_the_missing_input(tmp_path: Path) -> None:
@@ -205,74 +208,93 @@ def test_entrypoints_name_the_missing_input(tmp_path: Path) -> None:
     assert done.returncode == 1 and f"MODEL_REPOSITORY={tmp_path} has no spec_decode/config.pbtxt" in done.stderr
 
 
+def test_container_entrypoints_export_then_serve(drafting_checkpoint: Path, tmp_path: Path) -> None:
+    """export-repository.sh and serve.sh as the CPU stack runs them (its export environment, variables
+    set as a user would), with the embedded tritonserver on PATH in place of the image's."""
+    repository = tmp_path / "repository"
+    (repository / "stale").mkdir(parents=True)  # an earlier export's model must not survive
+    (repository / "stale" / "config.pbtxt").write_text("backend: \"python\"\n")
+    variables = {"MAX_SLOTS": "3", "MAX_DRAFT_TOKENS": "3", "NUM_DRAFT_TOKENS": "1"}
+    env = compose_config(COMPOSE_CPU, variables)["services"]["export"]["environment"]
+    env.update(CHECKPOINT_DIR=str(drafting_checkpoint), MODEL_REPOSITORY=str(repository))
+    done = run_script("export-repository.sh", env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in repository.iterdir()) == ["export.json", "mtp", "spec_decode", "target"]
+    sizes = json.loads((repository / "export.json").read_text())["sizes"]
+    assert (sizes["max_slots"], sizes["max_draft_tokens"], sizes["default_num_draft_tokens"]) == (3, 3, 1)
+
+    install = find_tritonserver()
+    http_port, grpc_port, metrics_port = free_ports(3)
+    env = TritonServer(repository).environment(install)
+    env.update(PATH=f"{install.binary.parent}{os.pathsep}{env['PATH']}", MODEL_REPOSITORY=str(repository))
+    log = open(tmp_path / "server.log", "wb")
+    server = subprocess.Popen(
+        ["sh", str(ROOT / "docker" / "serve.sh"), f"--backend-directory={backend_directory(install)}",
+         f"--http-port={http_port}", f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}"],
+        env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not ready(http_port):
+            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-3000:]
+            time.sleep(0.5)
+        body = json.dumps({"input_ids": [5, 6, 7, 8], "max_tokens": 6}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v2/models/spec_decode/generate", data=body)
+        with urllib.request.urlopen(request, timeout=120) as response:
+            result = json.loads(response.read())
+        assert result["num_input_tokens"] == 4 and 0 < result["num_output_tokens"] <= 6, result
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.close()
+
+
+def ready(http_port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
 def perf_analyzer() -> str:
-    local = ROOT / "build" / "perf_analyzer" / "bin" / "perf_analyzer"
+    local = ROOT / "build" / "tools" / "bin" / "perf_analyzer"  # where bench/perf_analyzer/install.sh puts it
     binary = str(local) if local.is_file() else shutil.which("perf_analyzer")
     if binary is None:
         pytest.skip("perf_analyzer is not installed (bench/perf_analyzer/install.sh)")
     return binary
 
 
-def test_loadtest_sweep_completes_against_a_real_server(tmp_path: Path, spec_decode_repository: Path) -> None:
-    grpc_port, http_port, metrics_port = free_ports(3)
+def perf_analyzer_environment() -> dict[str, str]:
+    """This environment, with the libcudart of a pip-installed nvidia-cuda-runtime-cu12 findable
+    (a bare perf_analyzer from the tritonclient wheel needs it even without a GPU)."""
+    env = dict(os.environ)
+    spec = importlib.util.find_spec("nvidia.cuda_runtime")
+    if spec is not None and spec.submodule_search_locations:
+        lib = Path(next(iter(spec.submodule_search_locations))) / "lib"
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(lib), env.get("LD_LIBRARY_PATH")]))
+    return env
+
+
+def test_loadtest_sweep_completes_against_a_real_server(tmp_path: Path, toy_spec_decode_server: TritonServer) -> None:
+    """The loadtest profile's script and input data, against a server with the spec_decode interface."""
     out = tmp_path / "loadtest"
-    with TritonServer(spec_decode_repository, grpc_port, http_port, metrics_port):
-        done = subprocess.run(
-            [sys.executable, str(PERF_ANALYZER_DIR / "sweep.py"), f"--url=127.0.0.1:{grpc_port}",
-             "--draft-tokens=0,2", "--concurrency=1,2", "--max-tokens=6", "--request-count=4",
-             f"--perf-analyzer={perf_analyzer()}", f"--out={out}", "--", "--max-trials=3", "--stability-percentage=999"],
-            capture_output=True, text=True, timeout=300,
-        )
+    done = subprocess.run(
+        [sys.executable, str(PERF_ANALYZER_DIR / "sweep.py"), f"--url={toy_spec_decode_server.grpc_url}",
+         "--draft-tokens=0,2", "--concurrency=1,2", "--max-tokens=6", "--request-count=4",
+         f"--perf-analyzer={perf_analyzer()}", f"--out={out}", "--", "--max-trials=3", "--stability-percentage=999"],
+        capture_output=True, text=True, timeout=300, env=perf_analyzer_environment(),
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     with open(out / "summary.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert [(r["num_draft_tokens"], r["Concurrency"]) for r in rows] == [("0", "1"), ("0", "2"), ("2", "1"), ("2", "2")]
     assert all(float(r["Inferences/Second"]) > 0 for r in rows)
     inputs = json.loads((out / "inputs_k2.json").read_text())["data"]
-    assert all(e["num_draft_tokens"] == [2] and e["max_tokens"] == [6] and e["text_input"] for e in inputs)
-
-
-@pytest.fixture(scope="module")
-def k8s_documents() -> dict[str, dict]:
-    """kind -> manifest, each validated against the Kubernetes schema (strict: unknown fields fail)."""
-    import kubernetes_validate
-
-    documents = {}
-    for path in sorted(K8S.glob("*.yaml")):
-        for document in yaml.safe_load_all(path.read_text()):
-            try:
-                kubernetes_validate.validate(document, kubernetes_validate.latest_version(), strict=True)
-            except kubernetes_validate.ValidationError as exc:
-                pytest.fail(f"{path.name}: {exc.message} at {'.'.join(map(str, exc.path))}")
-            documents[document["kind"]] = document
-    return documents
-
-
-def test_kubernetes_deployment_exports_then_serves_on_one_gpu_per_pod(k8s_documents: dict, gpu_config: dict) -> None:
-    pod = k8s_documents["Deployment"]["spec"]["template"]["spec"]
-    (export,), (triton,) = pod["initContainers"], pod["containers"]
-    assert export["command"] == gpu_config["services"]["export"]["command"]
-    assert triton["command"] == gpu_config["services"]["triton"]["command"]
-    compose_env = {k: v for k, v in gpu_config["services"]["export"]["environment"].items() if v}  # "" = unset
-    assert {e["name"]: e["value"] for e in export["env"]} == {**compose_env, "MODEL_REPOSITORY": "/repository"}
-
-    assert triton["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
-    assert {p["name"]: p["containerPort"] for p in triton["ports"]} == {"http": 8000, "grpc": 8001, "metrics": 8002}
-    for container in (export, triton):
-        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1, container["name"]
-
-    volumes = {v["name"]: v for v in pod["volumes"]}
-    mounts = {m["mountPath"]: m["name"] for m in triton["volumeMounts"]}
-    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
-    assert mounts["/repository"] in {m["name"] for m in export["volumeMounts"] if m["mountPath"] == "/repository"}
-    claim = volumes["checkpoint"]["persistentVolumeClaim"]["claimName"]
-    assert claim == k8s_documents["PersistentVolumeClaim"]["metadata"]["name"]
-
-
-def test_kubernetes_service_selects_the_pods_and_exposes_their_ports(k8s_documents: dict) -> None:
-    deployment, service = k8s_documents["Deployment"], k8s_documents["Service"]
-    labels = deployment["spec"]["template"]["metadata"]["labels"]
-    assert service["spec"]["selector"].items() <= labels.items()
-    (triton,) = deployment["spec"]["template"]["spec"]["containers"]
-    container_ports = {p["name"] for p in triton["ports"]}
-    assert {p["targetPort"] for p in service["spec"]["ports"]} == container_ports
+    shipped = json.loads((PERF_ANALYZER_DIR / "spec_decode_inputs.json").read_text())["data"]
+    assert [e["text_input"] for e in inputs] == [e["text_input"] for e in shipped]
+    assert all(e["num_draft_tokens"] == [2] and e["max_tokens"] == [6] for e in inputs)

@@ -122,7 +122,8 @@ def test_usage_errors_exit_2(checkpoint, tmp_path, flags, capsys):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--max-draft-tokens", "2", "--default-num-draft-tokens", "3"], "default_num_draft_tokens: must be in [0, max_draft_tokens=2], got 3"),
+        (["--max-draft-tokens", "2", "--default-num-draft-tokens", "3"],
+         "default_num_draft_tokens: must be in [0, max_draft_tokens=2], got 3"),
         (["--format", "onnx", "--dtype", "bf16"], "format onnx: dtype bfloat16 is not supported"),
         (["--max-draft-tokens", "30"], "max_seq_len: 32 leaves no room for a verify window of 31 tokens"),
     ],

@@ -87,15 +87,15 @@ def draw_request(data: st.DataObject, limits: dict[str, int]) -> dict[str, tuple
     if data.draw(st.integers(0, 9)) < 7:  # exactly one prompt and max_tokens most of the time
         prompt = data.draw(st.sampled_from(["input_ids", "input_ids", "text_input"]))
         names = (names - {"input_ids", "text_input"}) | {prompt, "max_tokens"}
-    if data.draw(st.integers(0, 9)) == 0:
+    if data.draw(st.integers(0, 9)) == 9:  # Hypothesis favours small draws: rare cases get the largest
         names.add(data.draw(st.sampled_from(EXTRA_NAMES)))
     request = {}
     for name in sorted(names):
         wire, dims = DECLARED.get(name, ("INT32", [1]))
-        wild = data.draw(st.integers(0, 19)) == 0
+        wild = data.draw(st.integers(0, 19)) == 19
         if wild:
             wire = data.draw(st.sampled_from(list(NUMPY)))
-        if data.draw(st.integers(0, 19)) == 0:
+        if data.draw(st.integers(0, 19)) == 19:
             shape = data.draw(st.lists(st.integers(0, 3), max_size=3))
         else:
             shape = [data.draw(st.integers(0, 70) if wild else st.integers(1, 16)) if d == -1 else d for d in dims]
@@ -156,7 +156,7 @@ def assert_names_an_input(message: str, request: dict) -> None:
 def test_random_grpc_requests_get_a_result_or_an_error_naming_an_input(server, limits, data) -> None:
     request = draw_request(data, limits)
     responses, error = send(server.grpc_url, request)
-    event("result" if error is None else error[28:120])
+    event("result" if error is None else "error")
     if error is None:
         assert_well_formed(responses, request, limits["vocab_size"])
     else:

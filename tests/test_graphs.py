@@ -38,7 +38,7 @@ DECODE_POSITIONS = torch.tensor([[8], [6]])
 SLOT_IDS = torch.tensor([2, 0])
 
 
-def step_inputs(positions: torch.Tensor, vocab: int, seed: int) -> torch.Tensor:
+def random_token_ids(positions: torch.Tensor, vocab: int, seed: int) -> torch.Tensor:
     return torch.randint(0, vocab, tuple(positions.shape), generator=torch.Generator().manual_seed(seed))
 
 
@@ -81,7 +81,7 @@ def test_target_matches_eager_over_prefill_verify_decode(exported):
     vocab = target.config.vocab_size
     with torch.no_grad():
         for seed, positions in enumerate((PREFILL_POSITIONS, VERIFY_POSITIONS, DECODE_POSITIONS)):
-            token_ids = step_inputs(positions, vocab, seed)
+            token_ids = random_token_ids(positions, vocab, seed)
             logits, hidden = runner(token_ids, positions, SLOT_IDS)
             ref_logits, ref_hidden = target(token_ids, positions, SLOT_IDS)
             assert logits.dtype == torch.float32 and logits.shape == (*positions.shape, vocab)
@@ -95,8 +95,8 @@ def test_target_decode_depends_on_pool_and_reset_forgets_it(exported):
     fmt, target, _, artifacts = exported
     runner = load_step(artifacts["target"], fmt, "cpu")
     vocab = target.config.vocab_size
-    prefill_ids = step_inputs(PREFILL_POSITIONS, vocab, 0)
-    decode_ids = step_inputs(DECODE_POSITIONS, vocab, 1)
+    prefill_ids = random_token_ids(PREFILL_POSITIONS, vocab, 0)
+    decode_ids = random_token_ids(DECODE_POSITIONS, vocab, 1)
     decode_positions = torch.tensor([[5], [3]])
     runner(prefill_ids, PREFILL_POSITIONS, SLOT_IDS)
     after_prefill, _ = runner(decode_ids, decode_positions, SLOT_IDS)
@@ -114,9 +114,9 @@ def test_target_batch_of_one_reads_only_its_slot(exported):
     fmt, target, _, artifacts = exported
     runner = load_step(artifacts["target"], fmt, "cpu")
     vocab = target.config.vocab_size
-    prefill_ids = step_inputs(PREFILL_POSITIONS, vocab, 0)
+    prefill_ids = random_token_ids(PREFILL_POSITIONS, vocab, 0)
     runner(prefill_ids, PREFILL_POSITIONS, SLOT_IDS)
-    decode_ids = step_inputs(DECODE_POSITIONS, vocab, 1)[1:]  # [1, 1]
+    decode_ids = random_token_ids(DECODE_POSITIONS, vocab, 1)[1:]  # [1, 1]
     alone, _ = runner(decode_ids, torch.tensor([[3]]), SLOT_IDS[1:])
     target.reset_cache()
     with torch.no_grad():
@@ -135,7 +135,7 @@ def test_mtp_layers_share_one_pool_and_cycle(exported):
     mtp.reset_cache()
     with torch.no_grad():
         for layer, positions in enumerate((PREFILL_POSITIONS, VERIFY_POSITIONS, DECODE_POSITIONS, DECODE_POSITIONS + 1)):
-            token_ids = step_inputs(positions, vocab, 10 + layer)
+            token_ids = random_token_ids(positions, vocab, 10 + layer)
             hidden = torch.randn(*positions.shape, H, generator=gen)  # [B, T, H]
             logits, hidden_out = runner(token_ids, hidden, positions, SLOT_IDS, layer=layer)
             ref_logits, ref_hidden = mtp(token_ids, hidden, positions, SLOT_IDS, layer)

@@ -4,7 +4,7 @@ The shipped configuration is rewritten only where a container differs from this 
 alias becomes the two replicas' addresses, the listen ports become free local ports, and the pid,
 log and temp paths move into the test's directory. Concurrent streaming requests go through nginx
 over gRPC (grpc_pass, HTTP/2) and over HTTP (generate_stream, server-sent events); each must stream
-the same text a replica gives directly, and both replicas' metrics must show that they served some.
+the same tokens and text a replica gives directly, and both replicas' metrics must show that they served some.
 """
 from __future__ import annotations
 

@@ -114,7 +114,8 @@ def test_draft_distributions_equal_the_mtp_run_over_the_whole_sequence_in_an_emp
 
     engine._hops.mtp = recording
     batch = prompts(3, seed=8)
-    handles = run(engine, [GenerationRequest(p, 24, temperature=1.5, top_k=3, seed=5, num_draft_tokens=3) for p in batch])
+    requests = [GenerationRequest(p, 24, temperature=1.5, top_k=3, seed=5, num_draft_tokens=3) for p in batch]
+    handles = run(engine, requests)
     sequences = [p + h.final.output_ids for p, h in zip(batch, handles)]
     accepted = sum(h.final.total_accepted_draft_tokens for h in handles)
     assert 0 < accepted < sum(h.final.total_draft_tokens for h in handles)
@@ -264,14 +265,22 @@ def test_sampled_tokens_follow_the_target_distribution(models, num_draft_tokens,
         assert engine.metrics.counters["spec_decode_num_accepted_tokens"] > samples // 2
 
 
-def exact_marginals(target, prompt: list[int], steps: int, temperature: float, top_k: int) -> torch.Tensor:
-    """[steps, V]: P(token i = v), summing over every continuation inside the top-k supports."""
+def exact_marginals(target, prompt: list[int], steps: int, temperature: float, top_k: int,
+                    eos: int | None = None) -> torch.Tensor:
+    """[steps, V]: P(token i = v), summing over every continuation inside the top-k supports.
+
+    With `eos`, a sequence ends at it, and its later tokens count as `eos` too.
+    """
     slot = torch.tensor([MAX_SLOTS - 1])
     prefixes, marginals = {(): 1.0}, torch.zeros(steps, VOCAB)
     with torch.no_grad():
         for i in range(steps):
             longer = {}
             for prefix, mass in prefixes.items():
+                if prefix and prefix[-1] == eos:
+                    marginals[i, eos] += mass
+                    longer[prefix] = mass
+                    continue
                 ids = torch.tensor([prompt + list(prefix)])  # [1, T]
                 logits, _ = target(ids, torch.arange(ids.shape[1]).view(1, -1), slot)  # [1, T, V]
                 p = processed(logits[0, -1], temperature, top_k)  # [V]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import queue
+import shutil
 import time
 import urllib.error
 import urllib.request
@@ -40,9 +41,10 @@ def word_tokenizer(path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def repository(drafting_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    word_tokenizer(drafting_checkpoint / "tokenizer.json")
+    checkpoint = shutil.copytree(drafting_checkpoint, tmp_path_factory.mktemp("worded") / "checkpoint")
+    word_tokenizer(checkpoint / "tokenizer.json")
     repo = tmp_path_factory.mktemp("spec_decode_repository")
-    write_repository(drafting_checkpoint, repo, fmt="torchscript", max_slots=MAX_SLOTS, max_seq_len=MAX_SEQ_LEN,
+    write_repository(checkpoint, repo, fmt="torchscript", max_slots=MAX_SLOTS, max_seq_len=MAX_SEQ_LEN,
                      max_draft_tokens=MAX_DRAFT, default_num_draft_tokens=2, max_queue_size=MAX_QUEUE,
                      progress=False, log=lambda line: None)
     return repo
@@ -267,17 +269,19 @@ def test_requests_beyond_slots_and_queue_are_unavailable(server):
 
 
 def test_sampled_speculative_output_follows_the_target_distribution(server, drafting_checkpoint):
-    """Tokens 1-3 over many (64-bit) seeds, through both hops, against the exact marginals."""
+    """Tokens 1-3 over many (64-bit) seeds, through both hops, against the exact marginals (EOS ends one)."""
     from test_scheduler import chi_square_p_value, exact_marginals
 
     from triton_mtp.export.checkpoint import load_checkpoint
 
     _, target, _ = load_checkpoint(drafting_checkpoint, max_slots=16, max_seq_len=MAX_SEQ_LEN, progress=False)
     prompt, samples, temperature, top_k = [7, 19, 3], 1000, 1.3, 6
-    marginals = exact_marginals(target, prompt, 3, temperature, top_k)  # [3, V]
-    replies = stream(server, [{"input_ids": prompt, "max_tokens": 4, "temperature": temperature, "top_k": top_k,
-                               "seed": (1 << 63) + seed, "num_draft_tokens": 2} for seed in range(samples)])
-    outputs = torch.tensor([tokens(r)[:3] for r in replies])  # [N, 3]
+    marginals = exact_marginals(target, prompt, 3, temperature, top_k, eos=EOS)  # [3, V]
+    requests = [{"input_ids": prompt, "max_tokens": 4, "temperature": temperature, "top_k": top_k,
+                 "seed": (1 << 63) + seed, "num_draft_tokens": 2} for seed in range(samples)]
+    chunk = MAX_SLOTS + MAX_QUEUE  # what the server admits at once
+    replies = [r for i in range(0, samples, chunk) for r in stream(server, requests[i: i + chunk])]
+    outputs = torch.tensor([(tokens(r) + [EOS] * 3)[:3] for r in replies])  # [N, 3]; stopped at EOS: EOS
     for i in range(3):
         counts = torch.bincount(outputs[:, i], minlength=VOCAB).float()  # [V]
         assert chi_square_p_value(counts, marginals[i]) > 1e-3, f"token {i + 1}"

@@ -1,5 +1,6 @@
 """Training of the bundled model on CPU: the corpus split, the objective's alignment, a few real steps,
-and that what training computes is what the served target and MTP compute from the saved checkpoint."""
+that what training computes is what the served target and MTP compute from the saved checkpoint, and
+phase 2 (MTP self-distillation): it trains the MTP layers on what serving feeds them, target untouched."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,11 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoTokenizer, DeepseekV3Config
 
 from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.train.config import bundled_model_config
 from triton_mtp.train.corpus import is_held_out, split_stdlib
+from triton_mtp.train.distill import DistillSettings, distill, load_training_model, serving_forward
 from triton_mtp.train.loop import TrainSettings, Trainer, prepare_corpus, train
 from triton_mtp.train.objective import TrainingModel, mtp_lambda, objective
 from triton_mtp.train.tokenizer import save_tokenizer
@@ -115,11 +118,61 @@ def test_saved_checkpoint_serves_what_training_computes(corpus, tmp_path):
             torch.testing.assert_close(logits, expected[k], atol=2e-4, rtol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def phase1_checkpoint(corpus, tmp_path_factory) -> Path:
+    trainer = Trainer(dataclasses.replace(SMOKE, steps=2), corpus, "cpu")
+    for _ in range(2):
+        trainer.step()
+    out = tmp_path_factory.mktemp("phase1")
+    trainer.save(out)
+    return out
+
+
+def test_phase2_lowers_the_distillation_loss_and_leaves_the_target_bit_for_bit(corpus, phase1_checkpoint, tmp_path):
+    settings = DistillSettings(steps=6, batch_size=4, seq_len=48, lr=3e-3, warmup_steps=1, eval_every=100,
+                               eval_windows=4, log_every=1, max_files=SMOKE.max_files)
+    summary = distill(settings, corpus, phase1_checkpoint, tmp_path, "cpu", log=lambda _: None)
+    initial, final = summary["initial"]["held_out_kl"], summary["final"]["held_out_kl"]
+    assert len(final) == 2 and sum(final) < sum(initial) - 0.05, (initial, final)
+    before = load_file(phase1_checkpoint / "model.safetensors")
+    after = load_file(tmp_path / "model.safetensors")
+    assert before.keys() == after.keys()
+    n = DeepseekV3Config.from_pretrained(phase1_checkpoint).num_hidden_layers
+    mtp_prefix = tuple(f"model.layers.{n + i}." for i in range(2))
+    for name, tensor in before.items():
+        if name.startswith(mtp_prefix):
+            continue
+        assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
+    changed = [k for k in before if k.startswith(mtp_prefix) and not torch.equal(before[k], after[k])]
+    assert any(".eh_proj." in k for k in changed) and any(".self_attn." in k for k in changed)
+
+
+def test_phase2_trains_each_mtp_layer_on_the_pairs_serving_gives_it(corpus, phase1_checkpoint):
+    model = load_training_model(phase1_checkpoint).eval()
+    _, target, mtp = load_checkpoint(phase1_checkpoint, dtype=torch.float32, max_slots=1, max_seq_len=32,
+                                          progress=False)
+    tokens = corpus.train_ids[:20].unsqueeze(0)  # 1, L
+    L, slot = tokens.shape[1], torch.tensor([0])
+    with torch.no_grad():
+        target_logits, (depth1, depth2) = serving_forward(model, tokens)
+        _, hidden = target(tokens, torch.arange(L)[None], slot)  # 1, L, H
+        for base in (3, 11):  # DraftWorker: prefill writes target pairs into both layers, layer 0 drafts ...
+            for layer in (1, 0):
+                logits, out = mtp(tokens[:, 1:base + 2], hidden[:, :base + 1], torch.arange(base + 1)[None],
+                                  slot, layer)
+            torch.testing.assert_close(logits[0, -1], depth1[0, base], atol=2e-4, rtol=1e-4)
+            # ... then layer 1 takes (draft 1, layer 0's hidden) at position base + 1 over that cache
+            logits, _ = mtp(tokens[:, base + 2:base + 3], out[:, -1:], torch.tensor([[base + 1]]), slot, 1)
+            torch.testing.assert_close(logits[0, -1], depth2[0, base], atol=2e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("argv, named", [
     (["train", "--out", "OUT", "--corpus-root", "/no/such/lib"], "/no/such/lib"),
     (["train", "--out", "OUT", "--vocab-size", "100"], "--vocab-size"),
     (["train", "--out", "OUT", "--steps", "0"], "--steps"),
     (["eval-acceptance", "--checkpoint", "/no/such/ckpt"], "/no/such/ckpt/tokenizer.json"),
+    (["train", "--out", "OUT", "--distill-from", "/no/such/ckpt"], "/no/such/ckpt/config.json"),
+    (["train", "--out", "OUT", "--ce-weight", "0.5"], "--ce-weight"),
 ])
 def test_bad_input_is_a_one_line_error_naming_the_field(argv, named, tmp_path):
     from triton_mtp.cli import main

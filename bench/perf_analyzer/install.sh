@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Install perf_analyzer for this host without touching the environment's tritonclient:
-#   bench/perf_analyzer/install.sh [DIR]      (default build/perf_analyzer)  ->  DIR/bin/perf_analyzer
+#   bench/perf_analyzer/install.sh [DIR]      (default build/tools)  ->  DIR/bin/perf_analyzer
 # PyPI's perf-analyzer package is a placeholder; the tritonclient 2.48.0 wheel carries a real binary
 # (later wheels need glibc 2.38 or ship none). It needs libb64 (Debian libb64-0d) and libcudart 12
 # (the nvidia-cuda-runtime-cu12 wheel), even on a host without a GPU.
 set -euo pipefail
-DIR=$(realpath -m "${1:-build/perf_analyzer}")
-if [ -x "$DIR/bin/perf_analyzer" ]; then
+DIR=$(realpath -m "${1:-build/tools}")
+if "$DIR/bin/perf_analyzer" --version >/dev/null 2>&1; then
     exit 0
 fi
 if ! ldconfig -p | grep -q 'libb64\.so\.0d'; then

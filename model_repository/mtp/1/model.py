@@ -9,16 +9,16 @@ from triton_mtp.serving.workers import DraftBatch, DraftWorker
 
 class TritonPythonModel:
     def initialize(self, args):
-        params, self.device, dtype, max_slots = triton_io.step_model_settings(args)
+        params, device, dtype, max_slots = triton_io.step_model_settings(args)
         num_layers = int_parameter(params, "num_mtp_layers", 1)
-        runner = load_step(triton_io.artifact_dir(args), params["format"], self.device)
-        self.worker = DraftWorker(runner, num_layers, max_slots, self.device, dtype)
+        runner = load_step(triton_io.artifact_dir(args), params["format"], device)
+        self.worker = DraftWorker(runner, num_layers, max_slots, device, dtype)
 
     def execute(self, requests):
         return [triton_io.serve(request, self._propose) for request in requests]
 
     def _propose(self, arrays):
-        result = self.worker.propose(DraftBatch.from_arrays(arrays, self.device)).to_arrays()
+        result = self.worker.propose(DraftBatch.from_arrays(arrays)).to_arrays()
         result.setdefault("draft_top_ids", np.zeros((0, 0, 0), dtype=np.int64))  # argmax drafts carry no q
         result.setdefault("draft_top_probs", np.zeros((0, 0, 0), dtype=np.float32))
         return result

@@ -6,12 +6,12 @@ from triton_mtp.serving.workers import TargetBatch, TargetWorker
 
 class TritonPythonModel:
     def initialize(self, args):
-        params, self.device, _, max_slots = triton_io.step_model_settings(args)
-        runner = load_step(triton_io.artifact_dir(args), params["format"], self.device)
-        self.worker = TargetWorker(runner, max_slots, self.device)
+        params, device, _, max_slots = triton_io.step_model_settings(args)
+        runner = load_step(triton_io.artifact_dir(args), params["format"], device)
+        self.worker = TargetWorker(runner, max_slots, device)
 
     def execute(self, requests):
         return [triton_io.serve(request, self._verify) for request in requests]
 
     def _verify(self, arrays):
-        return self.worker.verify(TargetBatch.from_arrays(arrays, self.device)).to_arrays()
+        return self.worker.verify(TargetBatch.from_arrays(arrays)).to_arrays()

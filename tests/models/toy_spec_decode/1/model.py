@@ -6,6 +6,7 @@ Tokens are UTF-8 bytes (vocabulary 256). Greedy decoding continues a prompt with
 "accepts" `s % (k + 1)` of them and emits those plus one. Each request runs in its own thread and
 holds one slot, counted by the gauge `spec_decode_live_sequences`, until it finishes or the client
 cancels it; `spec_decode_finished_requests{reason}` counts finished requests, as the engine does.
+Beyond `max_slots` live requests, a request is refused as UNAVAILABLE ("slots are busy").
 Calls into the backend (send, is_cancelled, metrics, tensors) take one lock: concurrent ones crashed
 server 2.51.
 """
@@ -63,6 +64,8 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
         self.step_delay = float(params["step_delay_s"])
         self.max_draft = int(params["max_draft_tokens"])
+        self.max_slots = int(params["max_slots"])
+        self.busy = 0
         self.live_family = pb_utils.MetricFamily(
             name="spec_decode_live_sequences",
             description="sequences holding a slot",
@@ -92,6 +95,11 @@ class TritonPythonModel:
                 error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
                 sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
                 continue
+            if self.busy == self.max_slots:
+                error = pb_utils.TritonError(f"all {self.max_slots} slots are busy", pb_utils.TritonError.UNAVAILABLE)
+                sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+                continue
+            self.busy += 1
             thread = threading.Thread(target=self.serve, args=(request, sender, job), daemon=True)
             thread.start()
             self.threads.append(thread)
@@ -110,6 +118,7 @@ class TritonPythonModel:
         finally:
             with self.backend:
                 self.live.increment(-1)
+                self.busy -= 1
 
     def parse(self, request):
         max_tokens = int(scalar(request, "max_tokens", 0))
