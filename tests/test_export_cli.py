@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import tritonclient.http as httpclient
 from tokenizers import Tokenizer, models
 
 from tiny_config import tiny_config
 from triton_mtp.cli import main
+from triton_mtp.client.core import Client
 from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.export.graphs import load_step
 from triton_mtp.export.synthetic import write_checkpoint
@@ -87,10 +87,35 @@ def test_exported_target_reproduces_the_checkpoint(repository, checkpoint):
         torch.testing.assert_close(runner(token_ids, positions, slot_ids)[0], target(token_ids, positions, slot_ids)[0])
 
 
-def test_server_loads_the_exported_repository(repository, triton_server_for):
-    server = triton_server_for(repository)
-    client = httpclient.InferenceServerClient(server.http_url)
-    assert all(client.is_model_ready(name) for name in ("target", "mtp", "spec_decode"))
+@pytest.fixture(scope="module")
+def onnx_repository(checkpoint, tmp_path_factory) -> Path:
+    repo = tmp_path_factory.mktemp("onnx_repository")
+    assert export(checkpoint, repo, "--format", "onnx", "--max-draft-tokens", "2") == 0
+    return repo
+
+
+def greedy_completion(checkpoint: Path, prompt: list[int], max_tokens: int) -> list[int]:
+    """Plain greedy decoding with the eager target, one token per step."""
+    _, target, _ = load_checkpoint(checkpoint, "fp32", "cpu", 1, MAX_SEQ_LEN, progress=False)
+    slot_ids = torch.tensor([0])  # [1]
+    with torch.no_grad():
+        logits, _ = target(torch.tensor([prompt]), torch.arange(len(prompt))[None], slot_ids)  # [1, T, V]
+        out: list[int] = []
+        for _ in range(max_tokens):
+            out.append(int(logits[0, -1].argmax()))
+            position = len(prompt) + len(out) - 1
+            logits, _ = target(torch.tensor([[out[-1]]]), torch.tensor([[position]]), slot_ids)  # [1, 1, V]
+    return out
+
+
+@pytest.mark.parametrize("repo_fixture", ["repository", "onnx_repository"])
+def test_served_repository_completes_like_greedy_eager(repo_fixture, request, checkpoint, triton_server_for):
+    server = triton_server_for(request.getfixturevalue(repo_fixture))
+    prompt = [5, 6, 7, 8, 9]
+    with Client(server.grpc_url, timeout=120) as client:
+        completion = client.generate(input_ids=prompt, max_tokens=8)
+    assert completion.ids == greedy_completion(checkpoint, prompt, 8)
+    assert completion.finish_reason == "length"
 
 
 def test_eager_format_writes_a_checkpoint_reference(checkpoint, tmp_path):
