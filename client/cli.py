@@ -20,16 +20,17 @@ PROG = "triton-mtp generate"
 
 
 def summary(completion: Completion, elapsed_s: float) -> str:
-    """`12 tokens in 0.50 s (24.0 tokens/s), finish length, acceptance 40.0% (4/10), mean accepted length 1.80`."""
+    """`12 tokens in 0.50 s (24.0 tokens/s), finish length, acceptance 41.7% (5/12), mean accepted length 1.83`."""
     tokens = completion.usage.output_tokens
     stats = completion.acceptance
     rate = tokens / max(elapsed_s, 1e-9)
     line = f"{tokens} tokens in {elapsed_s:.2f} s ({rate:.1f} tokens/s), finish {completion.finish_reason}"
     if stats.acceptance_rate is None:
         return line + ", no drafts"
+    length = "n/a" if stats.mean_accepted_length is None else f"{stats.mean_accepted_length:.2f}"
     return (
         f"{line}, acceptance {100 * stats.acceptance_rate:.1f}% ({stats.accepted_draft_tokens}/{stats.draft_tokens}),"
-        f" mean accepted length {stats.mean_accepted_length:.2f}"
+        f" mean accepted length {length}"
     )
 
 

@@ -1,4 +1,4 @@
-"""`triton-mtp export` writes a complete model repository that a real tritonserver loads."""
+"""`triton-mtp export` writes a complete model repository that a real tritonserver serves."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, models
 
 from tiny_config import tiny_config
 from triton_mtp.cli import main
-from triton_mtp.client.core import Client
+from triton_mtp.client import Client
 from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.export.graphs import load_step
 from triton_mtp.export.synthetic import write_checkpoint

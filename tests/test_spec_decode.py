@@ -19,7 +19,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from triton_mtp.export.repository import write_repository
 
 MAX_SLOTS = 4
-MAX_SEQ_LEN = 64
+MAX_SEQ_LEN = 128
 MAX_DRAFT = 4
 MAX_QUEUE = 16
 VOCAB = 128
@@ -201,16 +201,27 @@ def test_text_prompt_streams_text_and_stops_at_a_stop_word(server):
 
 
 def test_cancelling_a_stream_frees_its_slot(server):
+    """A stream cancelled after its first response is dropped while three others share the steps."""
     cancelled = 'spec_decode_finished_requests{reason="cancelled"}'
     before = metrics(server)
-    stream(server, [{"input_ids": [9, 10], "max_tokens": 60, "num_draft_tokens": 0, "stream": True}], cancel_after=2)
-    deadline = time.monotonic() + 30
+    others = grpcclient.InferenceServerClient(server.grpc_url)
+    finals: queue.Queue = queue.Queue()
+    others.start_stream(callback=lambda result, error: finals.put(error) if error is not None or
+                        result.get_response().parameters["triton_final_response"].bool_param else None)
+    long_request = {"input_ids": [9, 10], "max_tokens": MAX_SEQ_LEN - 3, "num_draft_tokens": 0, "stream": True}
+    for _ in range(MAX_SLOTS - 1):
+        others.async_stream_infer("spec_decode", _inputs(long_request), enable_empty_final_response=True)
+    stream(server, [long_request], cancel_after=1)
+    deadline = time.monotonic() + 60
     while metrics(server)[cancelled] == before[cancelled]:
         assert time.monotonic() < deadline, "the cancelled sequence was not dropped"
         time.sleep(0.05)
+    assert [finals.get(timeout=TIMEOUT_S) for _ in range(MAX_SLOTS - 1)] == [None] * (MAX_SLOTS - 1)
+    others.stop_stream()
     after = metrics(server)
     assert after["spec_decode_free_slots"] == MAX_SLOTS
-    assert after["spec_decode_emitted_tokens"] - before["spec_decode_emitted_tokens"] < 60
+    generated = after["spec_decode_emitted_tokens"] - before["spec_decode_emitted_tokens"]
+    assert generated < MAX_SLOTS * long_request["max_tokens"], "the cancelled stream ran to its end"
     (next_request,) = stream(server, [{"input_ids": [9, 10], "max_tokens": 3}])
     assert final(next_request)["finish_reason"][0] in (b"length", b"stop")
 
@@ -219,7 +230,7 @@ BAD_REQUESTS = [
     ({"max_tokens": 4}, "text_input"),
     ({"input_ids": [5], "text_input": "t5", "max_tokens": 4}, "text_input"),
     ({"text_input": "", "max_tokens": 4}, "text_input"),
-    ({"input_ids": [5] * 60, "max_tokens": 5}, "max_tokens"),
+    ({"input_ids": [5] * (MAX_SEQ_LEN - 4), "max_tokens": 5}, "max_tokens"),
     ({"input_ids": [5], "max_tokens": 0}, "max_tokens"),
     ({"input_ids": [5], "max_tokens": 4, "temperature": -1.0}, "temperature"),
     ({"input_ids": [5], "max_tokens": 4, "top_p": 0.0}, "top_p"),
