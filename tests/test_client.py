@@ -9,9 +9,11 @@ finished requests in `spec_decode_finished_requests{reason}`.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -130,6 +132,17 @@ def test_request_options_reach_the_server(server, protocol):
     assert seeded[0] == seeded[1] != seeded[2]
     assert no_drafts.ids == by_text.ids and no_drafts.acceptance.draft_tokens == 0
     assert no_drafts.acceptance.acceptance_rate is None
+
+
+def test_the_documented_python_examples_run(server, capsys):
+    doc = (Path(__file__).parents[1] / "docs" / "client.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", doc, flags=re.S)
+    assert len(blocks) == 2
+    for block in blocks:
+        exec(compile(block.replace("localhost:8001", server.grpc_url), "docs/client.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert re.search(r"acceptance \d+%, mean accepted length \d\.\d\d", out)
+    assert "Completion(" in out and "Delta(" in out
 
 
 def test_acceptance_figures_follow_the_vllm_conventions():

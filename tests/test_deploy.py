@@ -99,6 +99,7 @@ def test_default_stack_exports_then_serves_the_bundled_model_on_a_gpu(gpu_config
     services = gpu_config["services"]
     export, triton = services["export"], services["triton"]
     assert (ROOT / "models" / "tiny-dsv3-mtp", "/checkpoint") in bind_mounts(export)
+    assert (ROOT / "models" / "tiny-dsv3-mtp" / "config.json").is_file(), "the default checkpoint is not bundled"
     assert export["environment"]["EXPORT_DEVICE"] == "cuda"
     assert triton["depends_on"] == {"export": {"condition": "service_completed_successfully"}}
     assert "repository:/repository:ro" in triton["volumes"] and "repository:/repository:rw" in export["volumes"]
@@ -298,3 +299,21 @@ def test_loadtest_sweep_completes_against_a_real_server(tmp_path: Path, toy_spec
     shipped = json.loads((PERF_ANALYZER_DIR / "spec_decode_inputs.json").read_text())["data"]
     assert [e["text_input"] for e in inputs] == [e["text_input"] for e in shipped]
     assert all(e["num_draft_tokens"] == [2] and e["max_tokens"] == [6] for e in inputs)
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"data": []}, "'data' must be a non-empty list of requests"),
+        ({"data": [{"text_input": ["x"]}]}, "data[0] has no 'max_tokens'"),
+    ],
+)
+def test_sweep_names_the_bad_input_data(tmp_path: Path, data: dict, message: str) -> None:
+    inputs = tmp_path / "inputs.json"
+    inputs.write_text(json.dumps(data))
+    done = subprocess.run(
+        [sys.executable, str(PERF_ANALYZER_DIR / "sweep.py"), f"--input-data={inputs}", f"--out={tmp_path / 'out'}",
+         f"--perf-analyzer={sys.executable}"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode != 0 and done.stderr.strip() == f"sweep: {inputs}: {message}"

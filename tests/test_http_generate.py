@@ -1,5 +1,6 @@
-"""The curl lines of docs/client.md, run with `requests` against a real tritonserver's `spec_decode`:
-Triton's HTTP generate extension, one response and server-sent events."""
+"""Triton's HTTP generate extension in front of `spec_decode`, driven with `requests`: the curl lines
+of docs/client.md against tests/models/toy_spec_decode (text prompts), and the same two endpoints
+against the real engine (conftest `spec_decode_repository`, id prompts)."""
 from __future__ import annotations
 
 import json
@@ -16,6 +17,11 @@ TIMEOUT_S = 60
 @pytest.fixture(scope="module")
 def server(toy_spec_decode_server):
     return toy_spec_decode_server
+
+
+@pytest.fixture(scope="module")
+def engine(triton_server_for, spec_decode_repository):
+    return triton_server_for(spec_decode_repository)
 
 
 def documented_curl() -> dict[str, dict]:
@@ -48,25 +54,34 @@ def test_the_doc_shows_both_endpoints():
     assert calls["generate"]["text_input"] == calls["generate_stream"]["text_input"]
 
 
-def test_documented_generate_and_generate_stream_agree(server):
-    calls = documented_curl()
-    whole = post(server, "generate", calls["generate"])
+def check_generate_and_generate_stream_agree(server, one_body: dict, stream_body: dict) -> None:
+    whole = post(server, "generate", one_body)
     assert whole.status_code == 200, whole.text
     one = whole.json()
-    max_tokens = calls["generate"]["max_tokens"]
-    assert one["finish_reason"] == "length" and one["num_output_tokens"] == len(one["output_ids"]) == max_tokens
-    assert isinstance(one["text_output"], str) and one["text_output"]
+    assert one["finish_reason"] == "length"
+    assert one["num_output_tokens"] == len(as_list(one["output_ids"])) == one_body["max_tokens"]
+    assert isinstance(one["text_output"], str)
 
-    streamed = post(server, "generate_stream", calls["generate_stream"])
+    streamed = post(server, "generate_stream", stream_body)
     assert streamed.status_code == 200 and streamed.headers["Content-Type"].startswith("text/event-stream")
     steps = events(streamed)
     assert len(steps) > 1 and all("error" not in s for s in steps)
-    assert [i for s in steps for i in as_list(s["output_ids"])] == one["output_ids"]
+    assert [i for s in steps for i in as_list(s["output_ids"])] == as_list(one["output_ids"])
     assert "".join(s["text_output"] for s in steps) == one["text_output"]
     final = steps[-1]
     for name in ("num_input_tokens", "num_output_tokens", "total_draft_tokens", "total_accepted_draft_tokens"):
         assert final[name] == one[name], name
     assert "finish_reason" not in steps[0]
+
+
+def test_documented_generate_and_generate_stream_agree(server):
+    calls = documented_curl()
+    check_generate_and_generate_stream_agree(server, calls["generate"], calls["generate_stream"])
+
+
+def test_generate_and_generate_stream_agree_on_the_engine(engine):
+    body = {"input_ids": [9, 10, 11], "max_tokens": 16, "num_draft_tokens": 3}
+    check_generate_and_generate_stream_agree(engine, body, {**body, "stream": True})
 
 
 def test_bad_input_is_400_with_the_servers_message(server):
