@@ -179,7 +179,7 @@ class CompletionBuilder:
             logprobs=None if logprobs is None else [float(p) for p in logprobs],
         )
         self.deltas.append(delta)
-        if "finish_reason" in response:
+        if response.get("finish_reason"):  # earlier responses may carry it empty
             self.totals = response
         return delta
 
