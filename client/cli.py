@@ -55,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         prompt = read_prompt(args.prompt)
-        with Client(args.url, protocol=args.protocol, timeout=args.timeout, model=args.model) as client:
+        with Client(args.url, protocol=args.protocol, timeout=args.timeout, model=args.model,
+                    retries=args.retries) as client:
             if args.stream and not args.json:
                 completion = print_stream(client.stream(prompt, **options))
             else:
@@ -114,4 +115,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--stream", action="store_true", help="print text as each decoding step arrives")
     parser.add_argument("--json", action="store_true", help="print one JSON object with every response field")
     parser.add_argument("--timeout", type=float, help="seconds before the request is cancelled")
+    parser.add_argument("--retries", type=int, default=0,
+                        help="resend the request this many times while the server is unavailable before the first token")
     parser.set_defaults(func=run)

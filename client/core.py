@@ -26,7 +26,8 @@ END = object()
 
 class Client:
     """`url` is `host:port` (gRPC port for "grpc", HTTP port for "http"); `timeout` in seconds applies
-    to each request, None waits forever."""
+    to each attempt of a request, None waits forever; `retries` resends a request that found the
+    server unavailable before its first response (see `AsyncClient`)."""
 
     def __init__(
         self,
@@ -34,20 +35,23 @@ class Client:
         protocol: str = "grpc",
         timeout: float | None = None,
         model: str = "spec_decode",
+        retries: int = 0,
+        retry_delay: float = 0.5,
     ) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="triton-mtp-client", daemon=True)
         self.thread.start()
         try:
-            self.aio = self.call(self.make(url, protocol, timeout, model))
+            self.aio = self.call(self.make(url, protocol, timeout, model, retries, retry_delay))
         except BaseException:
             self.stop_loop()
             raise
         self.url, self.protocol = self.aio.url, self.aio.protocol
 
     @staticmethod
-    async def make(url: str | None, protocol: str, timeout: float | None, model: str) -> AsyncClient:
-        return AsyncClient(url, protocol, timeout, model)  # built on the loop that will use its channel
+    async def make(url: str | None, protocol: str, timeout: float | None, model: str, retries: int,
+                   retry_delay: float) -> AsyncClient:
+        return AsyncClient(url, protocol, timeout, model, retries, retry_delay)  # built on the loop that uses its channel
 
     def call(self, coroutine: Awaitable[T]) -> T:
         future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)

@@ -5,7 +5,8 @@
     │   ├── InvalidArgumentError  the request was rejected: bad input, a value out of range
     │   └── UnavailableError      the server or the model cannot serve now (down, unknown, not ready)
     │       └── ServerUnreachableError   nothing accepts connections at the URL
-    └── GenerateTimeoutError      the request ran past its timeout (also a TimeoutError)
+    └── GenerateTimeoutError      the request ran past its timeout, the client's or the server's
+                                  `request_timeout_s` (also a TimeoutError)
 
 Triton passes on the errors a decoupled model sends for a request without their code: over gRPC as a
 bare in-band message, over the HTTP generate extension as status 400 (an internal error included).
@@ -47,9 +48,11 @@ class GenerateTimeoutError(TritonMTPError, TimeoutError):
     """The request did not finish within its timeout; the server was told to cancel it."""
 
 
-def from_message(message: str, url: str) -> ServerError:
+def from_message(message: str, url: str) -> TritonMTPError:
     """Classify an error message the server sent in place of a response (no status code)."""
     lowered = message.lower()
+    if lowered.startswith("request_timeout_s:"):  # the server's own per-request limit
+        return GenerateTimeoutError(message, url)
     if any(marker in lowered for marker in UNAVAILABLE_MARKERS):
         return UnavailableError(message, url)
     return InvalidArgumentError(message, url)
@@ -71,7 +74,7 @@ def from_grpc(error: grpc.RpcError, url: str, timeout: float | None) -> TritonMT
     return ServerError(f"{code.name}: {details}", url)
 
 
-def from_http(status: int, message: str, url: str) -> ServerError:
+def from_http(status: int, message: str, url: str) -> TritonMTPError:
     """Map an HTTP error status and the server's `{"error": ...}` text to its exception."""
     if status == 400:
         return from_message(message, url)

@@ -23,6 +23,8 @@ import grpc
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
+from tritonclient.grpc import KeepAliveOptions
+from tritonclient.grpc._client import MAX_GRPC_MESSAGE_SIZE
 
 from . import errors
 from .types import RESPONSE_TENSORS, TOTALS, GenerateRequest
@@ -43,10 +45,24 @@ def plain(name: str, value: Any) -> Any:
     return int(value) if name in TOTALS else value
 
 
+# tritonclient's channel options, plus a reconnect backoff capped at 2 s (gRPC's default grows to
+# 120 s, so a channel that saw the server go down would fail fast long after it is back).
+CHANNEL_ARGS = [
+    ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
+    ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
+    ("grpc.keepalive_time_ms", KeepAliveOptions().keepalive_time_ms),
+    ("grpc.keepalive_timeout_ms", KeepAliveOptions().keepalive_timeout_ms),
+    ("grpc.keepalive_permit_without_calls", KeepAliveOptions().keepalive_permit_without_calls),
+    ("grpc.http2.max_pings_without_data", KeepAliveOptions().http2_max_pings_without_data),
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
 class GrpcTransport:
     def __init__(self, url: str, model: str) -> None:
         self.url, self.model = url, model
-        self.client = grpcaio.InferenceServerClient(url)
+        self.client = grpcaio.InferenceServerClient(url, channel_args=CHANNEL_ARGS)
 
     async def responses(self, request: GenerateRequest, timeout: float | None) -> AsyncIterator[dict[str, Any]]:
         inputs = []

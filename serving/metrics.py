@@ -15,9 +15,9 @@ COUNTERS = {
     "spec_decode_num_accepted_tokens_per_pos": "Draft tokens accepted, by draft position",
     "spec_decode_hops": "Calls from spec_decode into the target and mtp models",
     "spec_decode_emitted_tokens": "Tokens emitted to requests",
-    "spec_decode_finished_requests": "Requests finished, by finish_reason (length, stop, cancelled, error)",
+    "spec_decode_finished_requests": "Requests finished, by finish_reason (length, stop, cancelled), error or timeout",
 }
-FINISH_REASONS = ("length", "stop", "cancelled", "error")
+FINISH_REASONS = ("length", "stop", "cancelled", "error", "timeout")
 GAUGES = {
     "spec_decode_live_sequences": "Sequences holding a slot",
     "spec_decode_free_slots": "Free KV-cache slots",

@@ -44,6 +44,10 @@ class EngineLimits:
     default_num_draft_tokens: int
     eos_token_id: int  # -1: the model has none
     max_queue_size: int
+    max_prompt_bytes: int  # text_input is refused before tokenizing beyond this
+    max_prompt_tokens: int
+    max_output_tokens: int  # cap on max_tokens
+    request_timeout_s: float  # queue + generation; 0 = no limit
 
 
 @dataclass
@@ -120,11 +124,14 @@ def _prompt(inputs: Mapping[str, np.ndarray], limits: EngineLimits, tokenizer: T
     if has_text:
         if tokenizer is None:
             raise RequestError("text_input", "the repository has no tokenizer.json; send input_ids")
-        text = _text(_one(inputs, "text_input", "OSU", "BYTES"), "text_input")
-        ids = list(tokenizer.encode(text))
+        raw = _one(inputs, "text_input", "OSU", "BYTES")
+        size = len(raw) if isinstance(raw, bytes) else len(str(raw).encode("utf-8"))
+        if size > limits.max_prompt_bytes:
+            raise RequestError("text_input", f"{size} bytes exceeds max_prompt_bytes {limits.max_prompt_bytes}")
+        ids = list(tokenizer.encode(_text(raw, "text_input")))
         if not ids:
             raise RequestError("text_input", "empty prompt")
-        return ids
+        return _check_prompt_tokens(ids, "text_input", limits)
     raw = np.asarray(inputs["input_ids"])
     if raw.dtype.kind not in "iu":
         raise RequestError("input_ids", f"expected INT32, got dtype {raw.dtype}")
@@ -136,7 +143,13 @@ def _prompt(inputs: Mapping[str, np.ndarray], limits: EngineLimits, tokenizer: T
     bad = ids[(ids < 0) | (ids >= limits.vocab_size)]
     if bad.size:
         raise RequestError("input_ids", f"token id {int(bad[0])} outside the vocabulary [0, {limits.vocab_size})")
-    return ids.tolist()
+    return _check_prompt_tokens(ids.tolist(), "input_ids", limits)
+
+
+def _check_prompt_tokens(ids: list[int], name: str, limits: EngineLimits) -> list[int]:
+    if len(ids) > limits.max_prompt_tokens:
+        raise RequestError(name, f"{len(ids)} prompt tokens exceed max_prompt_tokens {limits.max_prompt_tokens}")
+    return ids
 
 
 def parse_request(
@@ -150,6 +163,8 @@ def parse_request(
     max_tokens = int(max_tokens)
     if max_tokens <= 0:
         raise RequestError("max_tokens", f"must be > 0, got {max_tokens}")
+    if max_tokens > limits.max_output_tokens:
+        raise RequestError("max_tokens", f"{max_tokens} exceeds max_output_tokens {limits.max_output_tokens}")
     if len(input_ids) + max_tokens > limits.max_seq_len:
         raise RequestError(
             "max_tokens",
@@ -209,18 +224,51 @@ def int_parameter(params: Mapping[str, str], key: str, minimum: int) -> int:
     return value
 
 
+def float_parameter(params: Mapping[str, str], key: str, minimum: float) -> float:
+    """A float config.pbtxt parameter, checked at load time (ValueError names the key)."""
+    if key not in params:
+        raise ValueError(f"config.pbtxt: parameter {key!r} is missing")
+    try:
+        value = float(params[key])
+    except ValueError:
+        raise ValueError(f"config.pbtxt: parameter {key!r} must be a number, got {params[key]!r}") from None
+    if not value >= minimum or math.isinf(value):
+        raise ValueError(f"config.pbtxt: parameter {key!r} must be a finite number >= {minimum}, got {value}")
+    return value
+
+
+def default_limits(max_seq_len: int) -> dict[str, int | float]:
+    """Request limits a repository gets unless the export sets them (safe for any max_seq_len)."""
+    return {
+        "max_prompt_bytes": 16 * max_seq_len,  # byte-level BPE averages 3-5 bytes per token on code and prose
+        "max_prompt_tokens": max_seq_len - 1,
+        "max_output_tokens": max_seq_len - 1,
+        "request_timeout_s": 600.0,
+    }
+
+
 def engine_limits(params: Mapping[str, str]) -> EngineLimits:
-    """The `spec_decode` model's limits from its config.pbtxt parameters."""
+    """The `spec_decode` model's limits from its config.pbtxt parameters.
+
+    The request limits (`max_prompt_bytes`, `max_prompt_tokens`, `max_output_tokens`,
+    `request_timeout_s`) fall back to `default_limits` when a repository predates them.
+    """
     num_mtp_layers = int_parameter(params, "num_mtp_layers", 0)
     max_draft = int_parameter(params, "max_draft_tokens", 0) if num_mtp_layers else 0
+    max_seq_len = int_parameter(params, "max_seq_len", 2)
+    params = {**{k: str(v) for k, v in default_limits(max_seq_len).items()}, **params}
     limits = EngineLimits(
         max_slots=int_parameter(params, "max_slots", 1),
-        max_seq_len=int_parameter(params, "max_seq_len", 2),
+        max_seq_len=max_seq_len,
         vocab_size=int_parameter(params, "vocab_size", 1),
         max_draft_tokens=max_draft,
         default_num_draft_tokens=int_parameter(params, "default_num_draft_tokens", 0),
         eos_token_id=int_parameter(params, "eos_token_id", -1),
         max_queue_size=int_parameter(params, "max_queue_size", 0),
+        max_prompt_bytes=int_parameter(params, "max_prompt_bytes", 1),
+        max_prompt_tokens=int_parameter(params, "max_prompt_tokens", 1),
+        max_output_tokens=int_parameter(params, "max_output_tokens", 1),
+        request_timeout_s=float_parameter(params, "request_timeout_s", 0.0),
     )
     if num_mtp_layers and limits.default_num_draft_tokens > max_draft:
         raise ValueError(

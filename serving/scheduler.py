@@ -18,9 +18,10 @@ The loop is pb_utils-free: hops and response senders come in through small proto
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -47,11 +48,19 @@ class ResponseHandle(Protocol):
     def is_cancelled(self) -> bool: ...
 
 
+@dataclass(eq=False)  # a request waiting for a slot is itself: compared by identity
+class _Waiting:
+    request: GenerationRequest
+    handle: ResponseHandle
+    deadline: float  # clock time after which it fails; inf = no limit
+
+
 @dataclass(eq=False)  # a sequence is itself: compared by identity
 class _Sequence:
     request: GenerationRequest
     handle: ResponseHandle
     slot: int
+    deadline: float
     tokens: list[int]  # prompt + emitted; tokens[-1] is the next step's input
     prefilled: bool = False
     drafting: bool = False  # the mtp has seen this sequence (its generator is seeded)
@@ -94,13 +103,14 @@ class Scheduler:
     """Owns the slots, the waiting queue and the step loop (run by `start()` or step by step)."""
 
     def __init__(self, hops: Hops, limits: EngineLimits, metrics: EngineMetrics | None = None,
-                 tokenizer: Tokenizer | None = None) -> None:
+                 tokenizer: Tokenizer | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self._hops = hops
         self._limits = limits
         self._tokenizer = tokenizer
+        self._clock = clock
         self.metrics = metrics or EngineMetrics(limits.max_draft_tokens)
         self.slots = SlotPool(limits.max_slots)
-        self._waiting: deque[tuple[GenerationRequest, ResponseHandle]] = deque()
+        self._waiting: deque[_Waiting] = deque()
         self._live: list[_Sequence] = []
         self._cond = threading.Condition()
         self._stopping = False
@@ -116,7 +126,9 @@ class Scheduler:
                     f"spec_decode: all {self._limits.max_slots} slots are busy and "
                     f"{self._limits.max_queue_size} requests are waiting; retry later"
                 )
-            self._waiting.append((request, handle))
+            timeout = self._limits.request_timeout_s
+            deadline = self._clock() + timeout if timeout > 0 else float("inf")
+            self._waiting.append(_Waiting(request, handle, deadline))
             self._cond.notify()
 
     @property
@@ -139,7 +151,7 @@ class Scheduler:
         for s in list(self._live):
             self._fail(s, "spec_decode: the model is being unloaded")
         while self._waiting:
-            self._waiting.popleft()[1].send_error("spec_decode: the model is being unloaded")
+            self._waiting.popleft().handle.send_error("spec_decode: the model is being unloaded")
 
     def _run(self) -> None:
         while True:
@@ -162,6 +174,7 @@ class Scheduler:
     def step(self) -> None:
         """One engine step over all live sequences."""
         self._drop_cancelled()
+        self._drop_expired()
         self._admit()
         live = list(self._live)
         if live:
@@ -186,18 +199,33 @@ class Scheduler:
                 s.finish_reason = "cancelled"
                 self._finish(s, [], [])
 
+    def _drop_expired(self) -> None:
+        """Fail every request, waiting or live, past its `request_timeout_s` (its slot is freed)."""
+        now = self._clock()
+        message = f"request_timeout_s: the request did not finish within {self._limits.request_timeout_s:g} s"
+        with self._cond:
+            expired = [w for w in self._waiting if w.deadline < now]
+            for w in expired:
+                self._waiting.remove(w)
+        for w in expired:
+            self.metrics.finish("timeout")
+            w.handle.send_error(message)
+        for s in [s for s in self._live if s.deadline < now]:
+            self._fail(s, message, reason="timeout")
+
     def _admit(self) -> None:
         while True:
             with self._cond:
                 if not self._waiting or self.slots.num_free == 0:
                     return
-                request, handle = self._waiting.popleft()
+                waiting = self._waiting.popleft()
+            request, handle = waiting.request, waiting.handle
             if handle.is_cancelled():
                 self.metrics.finish("cancelled")
                 handle.send(self._cancelled_response(request), final=True)
                 continue
             slot = self.slots.allocate()
-            self._live.append(_Sequence(request, handle, slot, list(request.input_ids),
+            self._live.append(_Sequence(request, handle, slot, waiting.deadline, list(request.input_ids),
                                         accepted_per_position=[0] * request.num_draft_tokens))
 
     # ---- the two hops --------------------------------------------------------------------------
@@ -367,10 +395,10 @@ class Scheduler:
         except Exception:  # noqa: BLE001 - the client is gone; nothing is left to tell it
             pass
 
-    def _fail(self, s: _Sequence, message: str) -> None:
+    def _fail(self, s: _Sequence, message: str, reason: str = "error") -> None:
         if s in self._live:
             self._release(s)
-        self.metrics.finish("error")
+        self.metrics.finish(reason)
         try:
             s.handle.send_error(message)
         except Exception:  # noqa: BLE001 - the client is gone; nothing is left to tell it

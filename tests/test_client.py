@@ -28,6 +28,7 @@ from triton_mtp.client import (
     ServerUnreachableError,
     UnavailableError,
 )
+from triton_mtp.client import errors
 from triton_mtp.serving.server import free_port
 
 PROTOCOLS = ["grpc", "http"]
@@ -248,9 +249,26 @@ def test_connection_refused_names_the_url(protocol):
     assert raised.value.url == url
 
 
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_retries_end_with_the_last_error_when_the_server_stays_down(protocol):
+    url = f"127.0.0.1:{free_port()}"
+    with Client(url, protocol=protocol, timeout=10, retries=2, retry_delay=0.2) as client:
+        started = time.monotonic()
+        with pytest.raises(ServerUnreachableError, match=url):
+            client.generate("hi", max_tokens=2)
+    assert time.monotonic() - started >= 0.2 + 0.4  # waited between the three attempts
+
+
+def test_the_servers_request_timeout_is_a_timeout_error():
+    error = errors.from_message("request_timeout_s: the request did not finish within 600 s", "h:1")
+    assert isinstance(error, GenerateTimeoutError) and isinstance(error, TimeoutError)
+
+
 def test_bad_arguments_are_refused_before_sending():
     with pytest.raises(ValueError, match="protocol"):
         Client("localhost:1", protocol="udp")
+    with pytest.raises(ValueError, match="retries"):
+        Client("localhost:1", retries=-1)
     with Client("localhost:1") as client:
         with pytest.raises(ValueError, match="prompt or input_ids"):
             client.generate("hi", input_ids=[1])

@@ -1,5 +1,6 @@
 """Faults and limits against a real server: a `target` stub killed mid-stream, a client killed
-mid-stream, and the engine's limits (max_seq_len, queue) at their edges.
+mid-stream, a server restarted under a retrying client, and the engine's limits (max_seq_len, queue,
+prompt bytes) at their edges.
 
 The server runs the conftest `spec_decode_repository` (4 slots, max_seq_len 128) with its queue cut
 to 2, admin APIs restricted and explicit model control, so a dead stub can be replaced by reloading
@@ -22,9 +23,11 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from bench.soak import SoakRequest, run_one, slot_gauges, wait_for_idle
-from triton_mtp.serving.server import admin_headers
+from test_spec_decode import word_tokenizer
+from triton_mtp.client import Client, UnavailableError
+from triton_mtp.serving.server import TritonServer, admin_headers, free_ports
 
-SLOTS, QUEUE, MAX_SEQ_LEN = 4, 2, 128
+SLOTS, QUEUE, MAX_SEQ_LEN, MAX_PROMPT_BYTES = 4, 2, 128, 40
 ADMIN_KEY = "faults-admin-key-0123456789"
 
 
@@ -34,7 +37,9 @@ def server(triton_server_for, spec_decode_repository: Path, tmp_path_factory: py
     shutil.copytree(spec_decode_repository, repository)
     config = repository / "spec_decode" / "config.pbtxt"
     text = re.sub(r'(key: "max_queue_size", value: \{ string_value: ")\d+', rf"\g<1>{QUEUE}", config.read_text())
+    text = re.sub(r'(key: "max_prompt_bytes", value: \{ string_value: ")\d+', rf"\g<1>{MAX_PROMPT_BYTES}", text)
     config.write_text(text)
+    word_tokenizer(repository / "spec_decode" / "1" / "tokenizer.json")  # text_input for the byte limit
     return triton_server_for(repository, admin_key=ADMIN_KEY, model_control_mode="explicit")
 
 
@@ -62,6 +67,14 @@ def test_prompt_plus_max_tokens_may_fill_max_seq_len_and_not_one_more(server) ->
     assert len(fits.tokens) == MAX_SEQ_LEN - len(prompt) or fits.final["finish_reason"][0] == b"stop"
     over = run_one(client, request(1, MAX_SEQ_LEN - len(prompt) + 1, prompt), stream=False)
     assert over.error == f"max_tokens: prompt (5 tokens) + max_tokens (124) exceeds max_seq_len {MAX_SEQ_LEN}"
+
+
+def test_text_input_may_fill_max_prompt_bytes_and_not_one_more(server) -> None:
+    with Client(server.grpc_url) as client:
+        fits = client.generate("x = 1\n" * (MAX_PROMPT_BYTES // 6) + "y" * (MAX_PROMPT_BYTES % 6), max_tokens=2)
+        assert len(fits.ids) == 2
+        with pytest.raises(Exception, match=rf"text_input: {MAX_PROMPT_BYTES + 1} bytes exceeds max_prompt_bytes"):
+            client.generate("é" + "y" * (MAX_PROMPT_BYTES - 1), max_tokens=2)  # é is two bytes
 
 
 def test_queue_takes_max_queue_size_beyond_the_slots_and_refuses_the_next(server) -> None:
@@ -139,3 +152,30 @@ def test_killed_target_stub_fails_in_flight_streams_and_a_reload_restores_servic
     admin.load_model("target", headers=admin_headers(ADMIN_KEY, "http"))
     later = run_one(client, request(10, 4))
     assert later.error is None and len(later.tokens) == 4, later.error
+
+
+def test_client_retries_until_a_restarted_server_answers(spec_decode_repository: Path, tmp_path: Path) -> None:
+    ports = dict(zip(("grpc_port", "http_port", "metrics_port"), free_ports(3)))
+    with TritonServer(spec_decode_repository, **ports, log_path=tmp_path / "first.log") as first:
+        url = first.grpc_url
+        with Client(url) as client:
+            expected = client.generate(input_ids=[5, 6, 7], max_tokens=6).ids
+    with Client(url) as client:
+        with pytest.raises(UnavailableError):
+            client.generate(input_ids=[5, 6, 7], max_tokens=6)  # no retries: the error at once
+    done: dict = {}
+
+    def retrying() -> None:
+        with Client(url, retries=60, retry_delay=0.25) as client:
+            try:
+                done["ids"] = client.generate(input_ids=[5, 6, 7], max_tokens=6).ids
+            except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+                done["error"] = exc
+
+    thread = threading.Thread(target=retrying)
+    thread.start()
+    time.sleep(1.0)  # the client is retrying against a closed port
+    assert thread.is_alive()
+    with TritonServer(spec_decode_repository, **ports, log_path=tmp_path / "second.log"):
+        thread.join(timeout=120)
+    assert done == {"ids": expected}

@@ -10,7 +10,8 @@ import torch
 
 from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.serving.requests import (
-    EngineLimits, GenerationRequest, GenerationResponse, QueueFull, RequestError, engine_limits, parse_request,
+    EngineLimits, GenerationRequest, GenerationResponse, QueueFull, RequestError, default_limits, engine_limits,
+    parse_request,
 )
 from triton_mtp.serving.scheduler import Scheduler
 from triton_mtp.serving.workers import DraftWorker, InProcessHops, TargetWorker
@@ -56,14 +57,15 @@ def models(drafting_checkpoint: Path):
 
 def limits(**overrides) -> EngineLimits:
     values = dict(max_slots=MAX_SLOTS, max_seq_len=MAX_SEQ_LEN, vocab_size=VOCAB, max_draft_tokens=6,
-                  default_num_draft_tokens=0, eos_token_id=-1, max_queue_size=2000)
+                  default_num_draft_tokens=0, eos_token_id=-1, max_queue_size=2000,
+                  **default_limits(MAX_SEQ_LEN))
     return EngineLimits(**{**values, **overrides})
 
 
-def scheduler(models, **overrides) -> Scheduler:
+def scheduler(models, clock=None, **overrides) -> Scheduler:
     target, mtp = models
     hops = InProcessHops(TargetWorker(target, MAX_SLOTS), DraftWorker(mtp, NUM_MTP_LAYERS, MAX_SLOTS))
-    return Scheduler(hops, limits(**overrides))
+    return Scheduler(hops, limits(**overrides), **({"clock": clock} if clock else {}))
 
 
 def prompts(count: int, seed: int = 0) -> list[list[int]]:
@@ -231,6 +233,67 @@ def test_a_failing_hop_fails_its_requests_and_the_loop_goes_on(models):
     assert engine.slots.num_free == MAX_SLOTS
     (ok,) = run(engine, [GenerationRequest([5, 6, 7], 8)])
     assert ok.final.num_output_tokens == 8
+
+
+def test_requests_past_request_timeout_fail_waiting_or_live_and_free_their_slots(models):
+    now = [100.0]
+    engine = scheduler(models, clock=lambda: now[0], request_timeout_s=10.0)
+    handles = [Collect() for _ in range(MAX_SLOTS + 2)]  # two of them wait for a slot
+    for handle in handles:
+        engine.submit(GenerationRequest([5, 6], 40, stream=True), handle)
+    engine.step()
+    now[0] = 110.0  # exactly at the deadline: still served
+    engine.step()
+    assert all(h.error is None for h in handles)
+    assert len(handles[0].responses) == 2
+    now[0] = 110.001
+    engine.step()
+    assert all(h.error == "request_timeout_s: the request did not finish within 10 s" for h in handles)
+    assert engine.idle and engine.slots.num_free == MAX_SLOTS
+    assert engine.metrics.finished["timeout"] == MAX_SLOTS + 2
+    (later,) = run(engine, [GenerationRequest([5, 6], 3)])
+    assert later.final.num_output_tokens == 3
+
+
+class Words:
+    """A tokenizer with one token per whitespace-separated word (ids from their length)."""
+
+    def encode(self, text: str) -> list[int]:
+        return [2 + len(word) % (VOCAB - 2) for word in text.split()]
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join("x" * (i - 2) for i in ids)
+
+
+def test_request_limits_admit_their_edge_and_refuse_one_more():
+    edge = limits(max_prompt_bytes=11, max_prompt_tokens=3, max_output_tokens=6)
+    text = {"text_input": np.array([b"ab cd efghi"], dtype=np.object_), "max_tokens": np.array([6], dtype=np.int32)}
+    assert parse_request(text, edge, Words()).max_tokens == 6
+    cases = [
+        ({**text, "text_input": np.array([b"ab cd efghij"], dtype=np.object_)},
+         "text_input: 12 bytes exceeds max_prompt_bytes 11"),
+        ({**text, "text_input": np.array([b"a b c d"], dtype=np.object_)},
+         "text_input: 4 prompt tokens exceed max_prompt_tokens 3"),
+        ({"input_ids": np.array([5, 6, 7, 8], dtype=np.int32), "max_tokens": np.array([6], dtype=np.int32)},
+         "input_ids: 4 prompt tokens exceed max_prompt_tokens 3"),
+        ({**text, "max_tokens": np.array([7], dtype=np.int32)}, "max_tokens: 7 exceeds max_output_tokens 6"),
+    ]
+    for fields, message in cases:
+        with pytest.raises(RequestError) as error:
+            parse_request(fields, edge, Words())
+        assert str(error.value) == message
+
+
+def test_request_limits_default_from_max_seq_len_and_are_checked_at_load_time():
+    params = {"max_slots": "4", "max_seq_len": "64", "vocab_size": "128", "max_draft_tokens": "4",
+              "num_mtp_layers": "2", "default_num_draft_tokens": "2", "eos_token_id": "1", "max_queue_size": "8"}
+    loaded = engine_limits(params)
+    assert (loaded.max_prompt_bytes, loaded.max_prompt_tokens, loaded.max_output_tokens) == (1024, 63, 63)
+    assert loaded.request_timeout_s == 600.0
+    assert engine_limits({**params, "request_timeout_s": "0"}).request_timeout_s == 0.0
+    for key, value in (("request_timeout_s", "-1"), ("request_timeout_s", "inf"), ("max_prompt_bytes", "0")):
+        with pytest.raises(ValueError, match=f"parameter '{key}' must be"):
+            engine_limits({**params, key: value})
 
 
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:

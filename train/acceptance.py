@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 
 from triton_mtp.export.checkpoint import load_checkpoint
-from triton_mtp.serving.requests import EngineLimits, GenerationRequest, GenerationResponse, TokenizerFile
+from triton_mtp.serving.requests import (
+    EngineLimits, GenerationRequest, GenerationResponse, TokenizerFile, default_limits,
+)
 from triton_mtp.serving.scheduler import Scheduler
 from triton_mtp.serving.workers import DraftWorker, InProcessHops, TargetWorker
 from triton_mtp.train.config import BUNDLED_CHECKPOINT
@@ -103,7 +105,7 @@ def evaluate(checkpoint: Path, prompts: list[list[int]], max_tokens: int, num_dr
     eos = config.eos_token_id if isinstance(config.eos_token_id, int) else -1
     limits = EngineLimits(max_slots=len(prompts), max_seq_len=max_seq_len, vocab_size=config.vocab_size,
                           max_draft_tokens=num_draft_tokens, default_num_draft_tokens=num_draft_tokens,
-                          eos_token_id=eos, max_queue_size=len(prompts))
+                          eos_token_id=eos, max_queue_size=len(prompts), **default_limits(max_seq_len))
     hops = InProcessHops(TargetWorker(target, len(prompts)),
                          DraftWorker(mtp, config.num_nextn_predict_layers, len(prompts)))
     engine = Scheduler(hops, limits)
