@@ -29,6 +29,9 @@
 set -uo pipefail
 : "${OUT:?set OUT to the results directory}"
 repo=$(pwd)
+checkpoint=${1:-}
+[ -n "$checkpoint" ] && { checkpoint=$(cd "$checkpoint" && pwd) || { echo "checkpoint directory not found: $1"; exit 1; }; }
+[ -n "${BENCH_REPOSITORY:-}" ] && BENCH_REPOSITORY=$(cd "$BENCH_REPOSITORY" && pwd)
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 work=$(mktemp -d)
@@ -48,6 +51,7 @@ for f in "$repo"/triton_mtp/*.py; do ln -s "$f" "$shim/triton_mtp/"; done
 for pkg in export serving client train model_repository; do ln -s "$repo/$pkg" "$shim/triton_mtp/$pkg"; done
 ln -s "$repo/bench" "$shim/bench"
 export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"
+cd "$shim"  # from the repository root, `python -m` would import its bare triton_mtp/ folder, not the shim
 pyver=$(python -c 'import sys; print(f"{sys.version_info.major}.{sys.version_info.minor}")')
 stub_paths=()
 if ! python -c 'import tritonclient.grpc' 2>/dev/null; then
@@ -71,7 +75,7 @@ if [ "$(python -c 'import numpy; print(numpy.__version__.split(".")[0])')" -ge 2
     python -m pip install -q --no-index --no-deps --target "$work/numpy126" "$repo"/.bundle/wheels/numpy-1.26.4-*.whl >>"$log" 2>&1
     stub_paths+=("$work/numpy126")
 fi
-env -u PYTHONPATH python -c 'import triton_mtp.serving' 2>/dev/null || stub_paths+=("$shim")
+(cd / && env -u PYTHONPATH python -c 'import triton_mtp.serving' 2>/dev/null) || stub_paths+=("$shim")
 stub_path_on() {  # the .pth that reaches the backend stub; removed again by stub_path_off / on exit
     [ ${#stub_paths[@]} -eq 0 ] && return
     pth=$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_triton_mtp_bench.pth
@@ -83,21 +87,20 @@ PY
 stub_path_off() { [ -n "$pth" ] && rm -f "$pth"; pth=""; }
 
 # ---- sizes -----------------------------------------------------------------------------------------
-checkpoint=${1:-}
 if [ "${BENCH_SMOKE:-0}" = 1 ]; then
     device=cpu dtype=fp32 graphs=eager deadline=3000 prompts=2 prompt_tokens=16 max_tokens=16 drafts=1,2 streams=1,2
     hf_prompts=1 warmup=1 limit=400 realistic_args=(--layers 2 --hidden 128 --experts 8 --vocab 512 --context 32 --repeats 3
                                             --copy-bytes 4000000 --graphs eager)
     if [ -z "$checkpoint" ]; then
         checkpoint=$work/checkpoint
-        python -c "import sys; sys.path.insert(0, 'tests'); from tiny_config import tiny_config; \
+        python -c "import sys; sys.path.insert(0, '$repo/tests'); from tiny_config import tiny_config; \
 from triton_mtp.export.synthetic import write_checkpoint; write_checkpoint('$checkpoint', tiny_config())" >>"$log" 2>&1
     fi
 else
     device=cuda dtype=bf16 graphs=cudagraph prompts=8 prompt_tokens=128 max_tokens=128 drafts=1,2,3,4
     streams=1,2,4,8,16,32,64 hf_prompts=4 warmup=3 limit=0 realistic_args=(--layers "${BENCH_REALISTIC_LAYERS:-27}" --context 512)
 fi
-checkpoint=$(cd "${checkpoint:-models/tiny-dsv3-mtp}" && pwd) || { say "checkpoint directory not found"; exit 1; }
+checkpoint=${checkpoint:-$repo/models/tiny-dsv3-mtp}
 max_draft=${drafts##*,}
 max_seq_len=$((prompt_tokens + max_tokens + max_draft + 1))
 common=(--checkpoint "$checkpoint" --prompts "$prompts" --prompt-tokens "$prompt_tokens" --max-tokens "$max_tokens")

@@ -2,8 +2,9 @@
 
 `reduce-overhead` follows gpt-fast: `torch.compile(step, mode="reduce-overhead", fullgraph=True)` on
 steps whose input shapes never change, so inductor replays one CUDA graph per shape. `cudagraph`
-captures the eager step once with `torch.cuda.CUDAGraph` (no compile time; what a 27-layer model
-needs to fit the run). Both return outputs that live in static buffers: a caller that keeps an
+captures the eager step once with `torch.cuda.CUDAGraph` (serving/graphs.py `CapturedStep`; no
+compile time, what a 27-layer model needs to fit the run). Both return outputs that live in static
+buffers: a caller that keeps an
 output past the next call must clone it.
 """
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+
+from triton_mtp.serving.graphs import CapturedStep
 
 MODES = ("reduce-overhead", "cudagraph", "eager")
 Step = Callable[..., tuple[torch.Tensor, ...]]
@@ -24,28 +27,6 @@ def place_rope(module: torch.nn.Module, device: torch.device) -> None:
     for m in module.modules():
         if isinstance(getattr(m, "inv_freq", None), torch.Tensor):
             m.inv_freq = m.inv_freq.to(device)
-
-
-class CapturedStep:
-    """One CUDA graph of `step` over static copies of `example_inputs` (warmed up on a side stream)."""
-
-    def __init__(self, step: Step, example_inputs: Sequence[torch.Tensor], warmup: int = 2) -> None:
-        self.inputs = [x.clone() for x in example_inputs]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.no_grad():
-            for _ in range(warmup):
-                step(*self.inputs)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), torch.no_grad():
-            self.outputs = step(*self.inputs)
-
-    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        for static, given in zip(self.inputs, inputs):
-            static.copy_(given)
-        self.graph.replay()
-        return self.outputs
 
 
 class CompiledStep:

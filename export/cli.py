@@ -31,8 +31,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="draft tokens when a request names none (default: the number of MTP layers, at most K)")
     parser.add_argument("--max-queue-size", type=_at_least(1), default=64, metavar="N",
                         help="requests waiting for a free slot before new ones are refused (default: 64)")
+    parser.add_argument("--max-prompt-bytes", type=_at_least(1), metavar="N",
+                        help="text_input bytes refused before tokenizing (default: 16 x max_seq_len)")
+    parser.add_argument("--max-prompt-tokens", type=_at_least(1), metavar="N",
+                        help="prompt tokens accepted (default: max_seq_len - 1)")
+    parser.add_argument("--max-output-tokens", type=_at_least(1), metavar="N",
+                        help="largest max_tokens a request may ask for (default: max_seq_len - 1)")
+    parser.add_argument("--request-timeout", type=float, metavar="SECONDS",
+                        help="a request still queued or generating after this fails; 0 = none (default: 600)")
     parser.add_argument("--no-compile", action="store_true",
                         help="eager format: skip torch.compile when the server loads the model")
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="cuda: run every target / mtp call eager instead of replaying captured decode graphs")
+    parser.add_argument("--tensor-parallel", type=_at_least(1), default=1, metavar="N",
+                        help="eager format: shard the target and MTP over N ranks, one per GPU (default: 1)")
     parser.set_defaults(func=run)
 
 
@@ -42,7 +54,9 @@ def run(args: argparse.Namespace) -> int:
             args.checkpoint, args.repository, fmt=args.format, device=args.device, dtype=args.dtype,
             max_slots=args.max_slots, max_seq_len=args.max_seq_len, max_draft_tokens=args.max_draft_tokens,
             default_num_draft_tokens=args.default_num_draft_tokens, max_queue_size=args.max_queue_size,
-            eager_compile=not args.no_compile,
+            request_limits={"max_prompt_bytes": args.max_prompt_bytes, "max_prompt_tokens": args.max_prompt_tokens,
+                            "max_output_tokens": args.max_output_tokens, "request_timeout_s": args.request_timeout},
+            eager_compile=not args.no_compile, cuda_graphs=not args.no_cuda_graphs, tensor_parallel=args.tensor_parallel,
         )
     except (ValueError, OSError) as exc:
         print(f"triton-mtp export: error: {' '.join(str(exc).split())}", file=sys.stderr)

@@ -141,15 +141,24 @@ class MTPRunner(StepRunner):
 
 
 def load_step(
-    path: str | Path, fmt: str, device: str | torch.device = "cpu", *, compile: bool | None = None
+    path: str | Path,
+    fmt: str,
+    device: str | torch.device = "cpu",
+    *,
+    compile: bool | None = None,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> StepRunner:
     """Load `target.<ext>`, or the MTP layers (`mtp_<i>.<ext>`, or a directory holding only those).
 
     A directory holding `target.<ext>` and no MTP files loads the target. An MTP file loads all its
     `mtp_<i>` siblings, so `layer` picks among them. `compile` (eager format only) overrides the
-    choice recorded at export.
+    choice recorded at export. `world_size` > 1 (eager format only) loads rank `rank`'s
+    tensor-parallel shard; serving/parallel.py runs the ranks.
     """
     module = format_module(fmt)
+    if world_size > 1 and fmt != "eager":
+        raise ValueError(f"format {fmt}: tensor parallelism (--tensor-parallel) needs the eager format")
     device = torch.device(device)
     path = Path(path)
     ext = module.EXTENSION
@@ -162,7 +171,7 @@ def load_step(
         path = target_file if target_file.exists() else (mtp_files[0] if mtp_files else target_file)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no {fmt} artifact here")
-    options = {"compile": compile} if fmt == "eager" else {}
+    options = {"compile": compile, "rank": rank, "world_size": world_size} if fmt == "eager" else {}
     if path.name == f"target.{ext}":
         return TargetRunner(module.load([path], device, **options), device)
     if _layer_index(path) < 0:

@@ -27,6 +27,8 @@ import triton_mtp.model_repository
 from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.export.config import ModelConfig
 from triton_mtp.export.graphs import DTYPES, FORMATS, check_parity, export_graphs
+from triton_mtp.export.parallel import check_tensor_parallel
+from triton_mtp.serving.requests import default_limits
 
 TEMPLATES = Path(triton_mtp.model_repository.__file__).parent
 MODELS = ("target", "mtp", "spec_decode")
@@ -45,7 +47,10 @@ def write_repository(
     max_draft_tokens: int = 4,
     default_num_draft_tokens: int | None = None,
     max_queue_size: int = 64,
+    request_limits: dict[str, int | float] | None = None,
     eager_compile: bool = True,
+    cuda_graphs: bool = True,
+    tensor_parallel: int = 1,
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
@@ -53,12 +58,19 @@ def write_repository(
 
     `max_seq_len` defaults to the config's `max_position_embeddings`. `max_draft_tokens` bounds
     the verify window (k + 1 tokens); `default_num_draft_tokens` defaults to the number of MTP
-    layers, capped by it. Existing `target`, `mtp`, `spec_decode` folders in `repo_dir` are replaced.
+    layers, capped by it. `request_limits` overrides `serving.requests.default_limits` (prompt bytes and
+    tokens, max_tokens cap, request timeout). `cuda_graphs` lets the `target` and `mtp` models on CUDA
+    replay decode-time calls from captured graphs (serving/graphs.py). `tensor_parallel` > 1 (eager format) makes the `target`
+    and `mtp` models shard over that many ranks at load (serving/parallel.py). Existing `target`,
+    `mtp`, `spec_decode` folders in `repo_dir` are replaced.
     """
     _check_settings(fmt, device, dtype, max_slots, max_seq_len, max_draft_tokens, max_queue_size)
     checkpoint_dir, repo = Path(checkpoint_dir), Path(repo_dir)
     if not checkpoint_dir.is_dir():
         raise FileNotFoundError(f"checkpoint: {checkpoint_dir} is not a directory")
+    if tensor_parallel > 1 and fmt != "eager":
+        raise ValueError(f"--tensor-parallel {tensor_parallel}: needs --format eager (shards are cut at load), got {fmt}")
+    check_tensor_parallel(ModelConfig.from_checkpoint(checkpoint_dir), tensor_parallel)
     config, target, mtp = load_checkpoint(checkpoint_dir, dtype, device, max_slots, max_seq_len, progress=progress)
     max_seq_len = target.max_seq_len
     if max_draft_tokens + 3 > max_seq_len:
@@ -88,7 +100,7 @@ def write_repository(
         raise
 
     values = {
-        "kind": "KIND_GPU" if device == "cuda" else "KIND_CPU",
+        "kind": ("KIND_MODEL" if tensor_parallel > 1 else "KIND_GPU") if device == "cuda" else "KIND_CPU",
         "format": fmt,
         "device": device,
         "dtype": dtype,
@@ -101,6 +113,9 @@ def write_repository(
         "eos_token_id": _eos_token_id(config),
         "default_num_draft_tokens": default_num_draft_tokens,
         "max_queue_size": max_queue_size,
+        "tensor_parallel_size": tensor_parallel,
+        "cuda_graphs": "true" if cuda_graphs else "false",
+        **_request_limits(max_seq_len, request_limits or {}),
     }
     for name in MODELS:
         if name == "mtp" and mtp is None:
@@ -115,6 +130,7 @@ def write_repository(
         "format": fmt,
         "dtype": dtype,
         "device": device,
+        "tensor_parallel_size": tensor_parallel,
         "checkpoint": str(checkpoint_dir.resolve()),
         "torch_version": torch.__version__,
         "sizes": {k: values[k] for k in ("max_slots", "max_seq_len", "max_draft_tokens", "default_num_draft_tokens",
@@ -143,6 +159,23 @@ def _check_settings(
                              ("max_queue_size", max_queue_size, 1), ("max_seq_len", max_seq_len, 4)):
         if value is not None and value < low:
             raise ValueError(f"{name}: must be >= {low}, got {value}")
+
+
+def _request_limits(max_seq_len: int, overrides: dict[str, int | float]) -> dict[str, int | float]:
+    """The `spec_decode` request limits: the defaults for `max_seq_len` with `overrides` checked and applied."""
+    limits = default_limits(max_seq_len)
+    for name, value in overrides.items():
+        if name not in limits:
+            raise ValueError(f"{name}: not a request limit (expected one of {', '.join(limits)})")
+        if value is None:
+            continue
+        if not 0 <= value < float("inf") or (value == 0 and name != "request_timeout_s"):
+            raise ValueError(f"{name}: must be a finite number > 0, got {value}")
+        limits[name] = value
+    for name in ("max_prompt_tokens", "max_output_tokens"):
+        if limits[name] >= max_seq_len:
+            raise ValueError(f"{name}: {limits[name]} leaves no room in max_seq_len {max_seq_len}")
+    return limits
 
 
 def _eos_token_id(config: ModelConfig) -> int:

@@ -213,27 +213,23 @@ def parse_request(
 
 def int_parameter(params: Mapping[str, str], key: str, minimum: int) -> int:
     """An integer config.pbtxt parameter, checked at load time (ValueError names the key)."""
-    if key not in params:
-        raise ValueError(f"config.pbtxt: parameter {key!r} is missing")
-    try:
-        value = int(params[key])
-    except ValueError:
-        raise ValueError(f"config.pbtxt: parameter {key!r} must be an integer, got {params[key]!r}") from None
-    if value < minimum:
-        raise ValueError(f"config.pbtxt: parameter {key!r} must be >= {minimum}, got {value}")
-    return value
+    return _number_parameter(params, key, minimum, int, "an integer")
 
 
 def float_parameter(params: Mapping[str, str], key: str, minimum: float) -> float:
-    """A float config.pbtxt parameter, checked at load time (ValueError names the key)."""
+    """A finite float config.pbtxt parameter, checked at load time (ValueError names the key)."""
+    return _number_parameter(params, key, minimum, float, "a finite number")
+
+
+def _number_parameter(params: Mapping[str, str], key: str, minimum: float, parse, what: str):
     if key not in params:
         raise ValueError(f"config.pbtxt: parameter {key!r} is missing")
     try:
-        value = float(params[key])
+        value = parse(params[key])
     except ValueError:
-        raise ValueError(f"config.pbtxt: parameter {key!r} must be a number, got {params[key]!r}") from None
-    if not value >= minimum or math.isinf(value):
-        raise ValueError(f"config.pbtxt: parameter {key!r} must be a finite number >= {minimum}, got {value}")
+        raise ValueError(f"config.pbtxt: parameter {key!r} must be {what}, got {params[key]!r}") from None
+    if not value >= minimum or math.isinf(value):  # NaN fails the comparison
+        raise ValueError(f"config.pbtxt: parameter {key!r} must be {what} >= {minimum}, got {value}")
     return value
 
 

@@ -157,3 +157,8 @@ def step_model_settings(args: dict) -> tuple[dict[str, str], torch.device, torch
 
 def artifact_dir(args: dict) -> Path:
     return Path(args["model_repository"]) / str(args["model_version"])
+
+
+def log(message: str) -> None:
+    """A line in tritonserver's log."""
+    pb_utils.Logger.log_info(message)

@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.export.formats import DTYPES, kv_cache_of, set_buffer
 from triton_mtp.export.model import DeepseekV3MTP, MTPLayerStep
+from triton_mtp.export.parallel import load_sharded
 
 EXTENSION = "json"
 
@@ -91,10 +91,13 @@ class EagerGraph:
                 self(token_ids, positions, slot_ids)
 
 
-def load(paths: list[Path], device: torch.device, compile: bool | None = None) -> list[EagerGraph]:
+def load(
+    paths: list[Path], device: torch.device, compile: bool | None = None, rank: int = 0, world_size: int = 1
+) -> list[EagerGraph]:
     """Build the model from the checkpoint the files name (they must name the same one).
 
-    `compile` overrides the choice recorded at export.
+    `compile` overrides the choice recorded at export. With `world_size` > 1 the model is rank
+    `rank`'s tensor-parallel shard (export/parallel.py; the default process group must be up).
     """
     references = [_read_reference(p) for p in paths]
     keys = ("checkpoint", "dtype", "max_slots", "max_seq_len", "compile")
@@ -102,8 +105,8 @@ def load(paths: list[Path], device: torch.device, compile: bool | None = None) -
     for path, ref in zip(paths, references):
         if {k: ref[k] for k in keys} != first:
             raise ValueError(f"{path}: names a different checkpoint or sizes than {paths[0]}")
-    _, target, mtp = load_checkpoint(
-        first["checkpoint"], DTYPES[first["dtype"]], device, first["max_slots"], first["max_seq_len"], progress=False
+    _, target, mtp = load_sharded(
+        first["checkpoint"], rank, world_size, DTYPES[first["dtype"]], device, first["max_slots"], first["max_seq_len"]
     )
     compile = first["compile"] if compile is None else compile
     graphs = []

@@ -1,0 +1,200 @@
+"""CUDA graphs for the decode-time calls of the `target` and `mtp` workers, by batch-size bucket.
+
+A decode step of a small model is bound by kernel launches, not by the GPU: on the H200 the bundled
+model decodes in 1.34 ms per token when its step is one captured graph (bench/standalone.py) and in
+15 ms through Triton when every kernel is launched from Python (docs/benchmarks.md). So, as vLLM
+and SGLang do, calls whose shape fits — B rows <= the largest bucket, T tokens <= the verify window
+W = max_draft_tokens + 1 — are padded to (bucket(B), W) and replayed from a graph captured at load;
+larger calls (prompt prefill) run eager. Padding is harmless: padded tokens carry position -1, which
+writes the pool's scratch position and is never attended (export/mla.py), and padded rows use slot 0.
+
+Graphs of one wrapper share one memory pool (captured largest first): they never run at once, and
+outputs are cloned out of it before the next replay.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+Step = Callable[..., tuple[torch.Tensor, ...]]
+
+
+class _StaticReplay:
+    """A step over static input buffers: `replay()` runs on what `inputs` hold, a call copies into them first."""
+
+    inputs: list[torch.Tensor]
+
+    def replay(self) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        for static, given in zip(self.inputs, inputs):
+            static.copy_(given)
+        return self.replay()
+
+
+class CapturedStep(_StaticReplay):
+    """One CUDA graph of `step` over static copies of `example_inputs` (warmed up on a side stream).
+
+    Outputs live in the graph's static buffers: a caller that keeps one past the next replay clones it.
+    """
+
+    def __init__(self, step: Step, example_inputs: Sequence[torch.Tensor], warmup: int = 2, pool=None) -> None:
+        self.inputs = [x.clone() for x in example_inputs]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.no_grad():
+            for _ in range(warmup):
+                step(*self.inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool), torch.no_grad():
+            self.outputs = step(*self.inputs)
+
+    def replay(self) -> tuple[torch.Tensor, ...]:
+        self.graph.replay()
+        return self.outputs
+
+
+class EagerReplay(_StaticReplay):
+    """The `CapturedStep` contract without a graph: static inputs, the step run on them (CPU, tests)."""
+
+    def __init__(self, step: Step, example_inputs: Sequence[torch.Tensor], pool=None) -> None:
+        self.step = step
+        self.inputs = [x.clone() for x in example_inputs]
+
+    def replay(self) -> tuple[torch.Tensor, ...]:
+        with torch.no_grad():
+            return self.step(*self.inputs)
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Batch sizes that get a graph: powers of two below `max_batch`, then `max_batch`."""
+    return [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
+
+
+class _GraphedStep:
+    """Pads fitting calls to a bucket and replays its graph; `key` selects among graph families."""
+
+    def __init__(self, step: Step, max_batch: int, width: int, device: torch.device,
+                 keys: Sequence[int | None], hidden: tuple[int, torch.dtype] | None,
+                 graph: Callable[..., Step]) -> None:
+        self.step, self.width, self.device, self.hidden = step, width, torch.device(device), hidden
+        self.buckets = batch_buckets(max_batch)
+        pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        self.graphs: dict[tuple[int | None, int], Step] = {}
+        for key in keys:
+            for b in reversed(self.buckets):  # largest first: the shared pool is sized once
+                self.graphs[key, b] = graph(self._bound(key), self._example(b), pool=pool)
+
+    def _bound(self, key: int | None) -> Step:
+        raise NotImplementedError
+
+    def _example(self, b: int) -> list[torch.Tensor]:
+        """Inputs of bucket b: every token padding (position -1), as a padded call sends them."""
+        token_ids = torch.zeros(b, self.width, dtype=torch.long, device=self.device)  # [b, W]
+        positions = torch.full((b, self.width), -1, dtype=torch.long, device=self.device)  # [b, W]
+        slot_ids = torch.zeros(b, dtype=torch.long, device=self.device)  # [b]
+        if self.hidden is None:
+            return [token_ids, positions, slot_ids]
+        size, dtype = self.hidden
+        return [token_ids, torch.zeros(b, self.width, size, dtype=dtype, device=self.device), positions, slot_ids]
+
+    def _fits(self, token_ids: torch.Tensor) -> bool:
+        B, T = token_ids.shape
+        return 0 < B <= self.buckets[-1] and T <= self.width
+
+    def _replay(self, key: int | None, token_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
+                hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pad to the smallest bucket >= B and width W, replay, and return copies of the real rows."""
+        B, T = token_ids.shape
+        graph = self.graphs[key, next(size for size in self.buckets if size >= B)]
+        static = graph.inputs  # token_ids [b, W], (hidden [b, W, H],) positions [b, W], slot_ids [b]
+        static[0].zero_()
+        static[0][:B, :T] = token_ids
+        static[-2].fill_(-1)
+        static[-2][:B, :T] = positions
+        static[-1].zero_()
+        static[-1][:B] = slot_ids
+        if hidden is not None:
+            static[1][:B, :T] = hidden  # padded rows keep stale values: their outputs are dropped
+        logits, out = graph.replay()  # [b, W, V], [b, W, H]
+        return logits[:B, :T].clone(), out[:B, :T].clone()
+
+
+class GraphedTarget(_GraphedStep):
+    """target(token_ids[B, T], positions[B, T], slot_ids[B]) with graphs for B <= max_batch, T <= width."""
+
+    def __init__(self, step: Step, max_batch: int, width: int, device: torch.device,
+                 graph: Callable[..., Step] = CapturedStep) -> None:
+        super().__init__(step, max_batch, width, device, [None], None, graph)
+
+    def _bound(self, key: int | None) -> Step:
+        return self.step
+
+    def __call__(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                 slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._fits(token_ids):
+            return self.step(token_ids, positions, slot_ids)
+        return self._replay(None, token_ids, positions, slot_ids)
+
+
+class GraphedMTP(_GraphedStep):
+    """mtp(token_ids, hidden, positions, slot_ids, layer) with graphs per MTP layer for fitting calls."""
+
+    def __init__(self, step: Step, num_layers: int, max_batch: int, width: int, hidden_size: int,
+                 hidden_dtype: torch.dtype, device: torch.device, graph: Callable[..., Step] = CapturedStep) -> None:
+        super().__init__(step, max_batch, width, device, range(num_layers), (hidden_size, hidden_dtype), graph)
+        self.num_layers = num_layers
+
+    def _bound(self, key: int | None) -> Step:
+        return lambda token_ids, hidden, positions, slot_ids: self.step(token_ids, hidden, positions, slot_ids, key)
+
+    def __call__(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
+                 layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._fits(token_ids):
+            return self.step(token_ids, hidden, positions, slot_ids, layer)
+        return self._replay(layer % self.num_layers, token_ids, positions, slot_ids, hidden)
+
+
+def check_against_eager(graphed: _GraphedStep, tolerance: float = 5e-2) -> None:
+    """Replay each graph family's smallest bucket and compare its logits with the eager step's.
+
+    The example writes only the scratch position, so the check leaves the KV pool as it found it.
+    Raises RuntimeError with the relative error when a graph disagrees (a capture gone wrong).
+    """
+    for key, b in [k for k in graphed.graphs if k[1] == graphed.buckets[0]]:
+        example = graphed._example(b)
+        with torch.no_grad():
+            expected = graphed._bound(key)(*example)[0].float()  # [b, W, V]
+        got = graphed.graphs[key, b](*example)[0].float()  # [b, W, V]
+        error = float((got - expected).abs().max() / expected.abs().max().clamp(min=1e-6))
+        if not error <= tolerance:
+            raise RuntimeError(f"CUDA graph of {'target' if key is None else f'mtp layer {key}'} differs from "
+                               f"eager: max relative error {error:.2e} > {tolerance:.0e}")
+
+
+def with_decode_graphs(build: Callable[[], _GraphedStep], step: Step, log: Callable[[str], None]) -> Step:
+    """`build()` checked against eager, or `step` itself with a log line saying why graphs are off."""
+    try:
+        graphed = build()
+        check_against_eager(graphed)
+    except Exception as exc:  # noqa: BLE001 - eager is always a correct fallback
+        log(f"CUDA graphs off, running eager: {type(exc).__name__}: {exc}")
+        return step
+    log(f"CUDA graphs captured for batch sizes {graphed.buckets} x {graphed.width} tokens")
+    return graphed
+
+
+GRAPH_FORMATS = ("torchscript", "eager")  # ONNX Runtime and AOTInductor launch outside torch's capture
+
+
+def graphs_wanted(params: dict[str, str], device: torch.device, world_size: int) -> bool:
+    """Whether a `target` / `mtp` model captures decode graphs: config parameter `cuda_graphs`
+    (default true) on a CUDA device, a format torch can capture, one rank."""
+    value = params.get("cuda_graphs", "true")
+    if value not in ("true", "false"):
+        raise ValueError(f"config.pbtxt: parameter 'cuda_graphs' must be true or false, got {value!r}")
+    return value == "true" and device.type == "cuda" and world_size == 1 and params.get("format") in GRAPH_FORMATS

@@ -1,0 +1,112 @@
+"""Decode-graph wrappers (serving/graphs.py) on CPU: the padding to batch buckets and the verify
+window, the graph families per MTP layer, the fallback to eager. `EagerReplay` stands in for the
+CUDA graph (same static-input contract); the capture itself is `CapturedStep`, run on the H200 by
+bench/standalone.py."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from triton_mtp.export.checkpoint import load_checkpoint
+from triton_mtp.serving.graphs import (
+    EagerReplay, GraphedMTP, GraphedTarget, batch_buckets, graphs_wanted, with_decode_graphs,
+)
+
+MAX_SLOTS, MAX_SEQ_LEN, WIDTH = 6, 48, 4
+
+
+@pytest.fixture()
+def twins(drafting_checkpoint: Path):
+    """Two copies of the same target + MTP: one called directly, one through the wrappers."""
+    return [load_checkpoint(drafting_checkpoint, max_slots=MAX_SLOTS, max_seq_len=MAX_SEQ_LEN, progress=False)
+            for _ in range(2)]
+
+
+def test_buckets_are_powers_of_two_then_the_largest_batch():
+    assert batch_buckets(6) == [1, 2, 4, 6]
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert batch_buckets(1) == [1]
+
+
+def _window(rows: list[tuple[int, int, int]], vocab: int, gen: torch.Generator):
+    """(slot, first position, length) per row -> token_ids, positions [B, T] padded with -1, slot_ids [B]."""
+    T = max(length for _, _, length in rows)
+    token_ids = torch.randint(2, vocab, (len(rows), T), generator=gen)  # [B, T]
+    positions = torch.full((len(rows), T), -1)  # [B, T]
+    for b, (_, start, length) in enumerate(rows):
+        positions[b, :length] = torch.arange(start, start + length)
+    return token_ids, positions, torch.tensor([slot for slot, _, _ in rows])
+
+
+def test_graphed_target_equals_the_step_through_prefill_decode_and_rollback(twins):
+    (config, plain, _), (_, wrapped, _) = twins
+    graphed = GraphedTarget(wrapped, MAX_SLOTS, WIDTH, torch.device("cpu"), graph=EagerReplay)
+    assert sorted(graphed.graphs) == [(None, b) for b in (1, 2, 4, 6)]
+    gen = torch.Generator().manual_seed(0)
+    calls = [
+        [(0, 0, 9), (3, 0, 5)],  # prefill: wider than the window, eager
+        [(0, 9, 1), (3, 5, 4)],  # decode + verify window: bucket 2
+        [(0, 10, 4), (3, 7, 2), (5, 0, 3)],  # 3 rows padded to bucket 4; slot 3 rolls back to 7
+        [(1, 0, 2)],  # bucket 1
+        [(s, 12, 1) for s in range(MAX_SLOTS)],  # every slot: the largest bucket
+    ]
+    for rows in calls:
+        inputs = _window(rows, config.vocab_size, gen)
+        expected = plain(*inputs)
+        got = graphed(*inputs)
+        for e, g in zip(expected, got):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+    live = plain.kv_cache[:, :, :-1]  # the scratch position differs: padding writes it
+    torch.testing.assert_close(wrapped.kv_cache[:, :, :-1], live, rtol=0, atol=1e-5)
+
+
+def test_graphed_mtp_equals_the_step_per_layer(twins):
+    (config, _, plain), (_, _, wrapped) = twins
+    layers = config.num_nextn_predict_layers
+    graphed = GraphedMTP(wrapped, layers, MAX_SLOTS, WIDTH, config.hidden_size, torch.float32,
+                         torch.device("cpu"), graph=EagerReplay)
+    assert len(graphed.graphs) == layers * len(batch_buckets(MAX_SLOTS))
+    gen = torch.Generator().manual_seed(1)
+    for step, rows in enumerate([[(0, 0, 7), (2, 0, 3)], [(0, 7, 2), (2, 3, 4)], [(0, 9, 1), (2, 7, 1), (4, 0, 2)]]):
+        for layer in range(layers + 1):  # layer index `layers` reuses layer 0
+            token_ids, positions, slots = _window(rows, config.vocab_size, gen)
+            hidden = torch.randn(*token_ids.shape, config.hidden_size, generator=gen)  # [B, T, H]
+            expected = plain(token_ids, hidden, positions, slots, layer)
+            got = graphed(token_ids, hidden, positions, slots, layer)
+            for e, g in zip(expected, got):
+                torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+class Broken(EagerReplay):
+    """A replay whose logits are wrong, as a capture gone bad would give."""
+
+    def replay(self):
+        logits, hidden = super().replay()
+        return logits + 1.0, hidden
+
+
+def test_a_graph_that_disagrees_with_eager_falls_back_to_the_step(twins):
+    (_, target, _), _ = twins
+    lines = []
+    step = with_decode_graphs(lambda: GraphedTarget(target, 2, WIDTH, torch.device("cpu"), graph=Broken),
+                              target, lines.append)
+    assert step is target
+    assert lines and lines[0].startswith("CUDA graphs off, running eager: RuntimeError: CUDA graph of target differs")
+    lines.clear()
+    step = with_decode_graphs(lambda: GraphedTarget(target, 2, WIDTH, torch.device("cpu"), graph=EagerReplay),
+                              target, lines.append)
+    assert isinstance(step, GraphedTarget) and lines == ["CUDA graphs captured for batch sizes [1, 2] x 4 tokens"]
+
+
+def test_graphs_are_wanted_on_cuda_for_capturable_formats_only():
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert graphs_wanted({"format": "torchscript"}, cuda, 1)
+    assert graphs_wanted({"format": "eager", "cuda_graphs": "true"}, cuda, 1)
+    assert not graphs_wanted({"format": "torchscript", "cuda_graphs": "false"}, cuda, 1)
+    assert not graphs_wanted({"format": "onnx"}, cuda, 1)
+    assert not graphs_wanted({"format": "torchscript"}, cpu, 1)
+    assert not graphs_wanted({"format": "eager"}, cuda, 2)
+    with pytest.raises(ValueError, match="parameter 'cuda_graphs' must be true or false"):
+        graphs_wanted({"format": "eager", "cuda_graphs": "yes"}, cuda, 1)
