@@ -10,6 +10,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models
 
+from reference import greedy_completion
 from tiny_config import tiny_config
 from triton_mtp.cli import main
 from triton_mtp.client import Client
@@ -94,18 +95,9 @@ def onnx_repository(checkpoint, tmp_path_factory) -> Path:
     return repo
 
 
-def greedy_completion(checkpoint: Path, prompt: list[int], max_tokens: int) -> list[int]:
-    """Plain greedy decoding with the eager target, one token per step."""
+def greedy_eager(checkpoint: Path, prompt: list[int], max_tokens: int) -> list[int]:
     _, target, _ = load_checkpoint(checkpoint, "fp32", "cpu", 1, MAX_SEQ_LEN, progress=False)
-    slot_ids = torch.tensor([0])  # [1]
-    with torch.no_grad():
-        logits, _ = target(torch.tensor([prompt]), torch.arange(len(prompt))[None], slot_ids)  # [1, T, V]
-        out: list[int] = []
-        for _ in range(max_tokens):
-            out.append(int(logits[0, -1].argmax()))
-            position = len(prompt) + len(out) - 1
-            logits, _ = target(torch.tensor([[out[-1]]]), torch.tensor([[position]]), slot_ids)  # [1, 1, V]
-    return out
+    return greedy_completion(target, prompt, max_tokens)
 
 
 @pytest.mark.parametrize("repo_fixture", ["repository", "onnx_repository"])
@@ -114,7 +106,7 @@ def test_served_repository_completes_like_greedy_eager(repo_fixture, request, ch
     prompt = [5, 6, 7, 8, 9]
     with Client(server.grpc_url, timeout=120) as client:
         completion = client.generate(input_ids=prompt, max_tokens=8)
-    assert completion.ids == greedy_completion(checkpoint, prompt, 8)
+    assert completion.ids == greedy_eager(checkpoint, prompt, 8)
     assert completion.finish_reason == "length"
 
 

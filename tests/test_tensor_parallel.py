@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from reference import greedy_completion
 from tiny_config import tiny_config
 from triton_mtp.cli import main
 from triton_mtp.client import Client
@@ -208,20 +209,6 @@ def test_worker_error_while_loading_raises_on_rank_0():
         TensorParallelStep(build_failing, 2, "cpu", timeout_s=TIMEOUT_S)
     assert not mp.active_children()
     assert not dist.is_initialized()
-
-
-def greedy_completion(target, prompt: list[int], max_tokens: int) -> list[int]:
-    """Plain greedy decoding with the single-process target in slot 0, one token per step."""
-    target.reset_cache()
-    slot_ids = torch.tensor([0])  # [1]
-    with torch.no_grad():
-        logits, _ = target(torch.tensor([prompt]), torch.arange(len(prompt))[None], slot_ids)  # [1, T, V]
-        out: list[int] = []
-        for _ in range(max_tokens):
-            out.append(int(logits[0, -1].argmax()))
-            position = len(prompt) + len(out) - 1
-            logits, _ = target(torch.tensor([[out[-1]]]), torch.tensor([[position]]), slot_ids)  # [1, 1, V]
-    return out
 
 
 def test_served_tensor_parallel_repository_completes_like_greedy_eager(models, checkpoint, tmp_path_factory,
