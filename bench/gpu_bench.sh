@@ -48,7 +48,7 @@ trap cleanup EXIT
 shim=$work/shim
 mkdir -p "$shim/triton_mtp"
 for f in "$repo"/triton_mtp/*.py; do ln -s "$f" "$shim/triton_mtp/"; done
-for pkg in export serving client train model_repository; do ln -s "$repo/$pkg" "$shim/triton_mtp/$pkg"; done
+for pkg in export serving client train model_repository bench; do ln -s "$repo/$pkg" "$shim/triton_mtp/$pkg"; done
 ln -s "$repo/bench" "$shim/bench"
 export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"
 cd "$shim"  # from the repository root, `python -m` would import its bare triton_mtp/ folder, not the shim

@@ -14,7 +14,7 @@ import torch
 from transformers import DeepseekV3ForCausalLM
 from transformers.utils import logging as hf_logging
 
-from bench.common import environment, held_out_prompts, synchronize, write_result
+from .common import environment, held_out_prompts, synchronize, write_result
 from triton_mtp.export.checkpoint import resolve_dtype
 
 

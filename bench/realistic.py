@@ -22,9 +22,9 @@ import time
 
 import torch
 
-from bench.common import environment, synchronize, write_result
-from bench.graphs import place_rope, wrap_step
-from bench.moe_decode import grouped_mm_works, use_selected_experts
+from .common import environment, synchronize, write_result
+from .graphs import place_rope, wrap_step
+from .moe_decode import grouped_mm_works, use_selected_experts
 from triton_mtp.export.config import ModelConfig
 from triton_mtp.export.model import DeepseekV3Target
 from triton_mtp.export.moe import MoE

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bench.common import acceptance_summary, environment, held_out_prompts, latency_summary, synchronize, write_result
-from bench.graphs import MODES, place_rope, wrap_step
+from .common import acceptance_summary, environment, held_out_prompts, latency_summary, synchronize, write_result
+from .graphs import MODES, place_rope, wrap_step
 from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.export.model import DeepseekV3MTP, DeepseekV3Target
 from triton_mtp.serving.rejection import verify

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from bench.common import acceptance_summary, environment, held_out_prompts, latency_summary, write_result
+from .common import acceptance_summary, environment, held_out_prompts, latency_summary, write_result
 
 MODEL = "spec_decode"
 HOP_MODELS = ("target", "mtp")
@@ -217,8 +217,7 @@ def run(args: argparse.Namespace, url: str, metrics_url: str) -> dict:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, help="checkpoint directory the repository was exported from")
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--repository", help="model repository to serve with an embedded tritonserver")
@@ -234,9 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=3, help="untimed requests per k before batch 1")
     parser.add_argument("--ready-timeout", type=float, default=600.0)
-    args = parser.parse_args(argv)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Serve `--repository` (or use `--url`), measure, write `--out`."""
     if args.url and not args.metrics_url:
-        parser.error("--metrics-url is required with --url")
+        raise SystemExit("--metrics-url is required with --url")
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # stop the server on timeout
     with contextlib.ExitStack() as stack:
         if args.repository:
@@ -252,6 +254,20 @@ def main(argv: list[str] | None = None) -> int:
             url, metrics_url = args.url, args.metrics_url
         run(args, url, metrics_url)
     return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """`triton-mtp bench`: this benchmark from the command line."""
+    parser = subparsers.add_parser("bench", help="plain vs speculative decoding through Triton: batch 1 and a "
+                                   "concurrency sweep", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    parser.set_defaults(func=run_cli)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    add_arguments(parser)
+    return run_cli(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ SUBCOMMANDS = {
     "generate": "triton_mtp.client.cli",
     "train": "triton_mtp.train.cli",
     "eval-acceptance": "triton_mtp.train.acceptance",
-    "bench": "triton_mtp.bench",
+    "bench": "triton_mtp.bench.triton_bench",
 }
 
 
