@@ -19,6 +19,10 @@ set -- --checkpoint "$CHECKPOINT_DIR" --repository "$MODEL_REPOSITORY"
 [ -n "${MAX_SEQ_LEN:-}" ] && set -- "$@" --max-seq-len "$MAX_SEQ_LEN"
 [ -n "${MAX_DRAFT_TOKENS:-}" ] && set -- "$@" --max-draft-tokens "$MAX_DRAFT_TOKENS"
 [ -n "${NUM_DRAFT_TOKENS:-}" ] && set -- "$@" --default-num-draft-tokens "$NUM_DRAFT_TOKENS"
+[ -n "${MAX_QUEUE_SIZE:-}" ] && set -- "$@" --max-queue-size "$MAX_QUEUE_SIZE"
+[ -n "${REQUEST_TIMEOUT_S:-}" ] && set -- "$@" --request-timeout "$REQUEST_TIMEOUT_S"
+[ -n "${TENSOR_PARALLEL:-}" ] && set -- "$@" --tensor-parallel "$TENSOR_PARALLEL"
+[ "${CUDA_GRAPHS:-true}" = false ] && set -- "$@" --no-cuda-graphs
 
 mkdir -p "$MODEL_REPOSITORY"
 find "$MODEL_REPOSITORY" -mindepth 1 -maxdepth 1 -exec rm -rf {} +  # no stale model from an earlier export

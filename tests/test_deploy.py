@@ -215,7 +215,7 @@ def test_container_entrypoints_export_then_serve(drafting_checkpoint: Path, tmp_
     repository = tmp_path / "repository"
     (repository / "stale").mkdir(parents=True)  # an earlier export's model must not survive
     (repository / "stale" / "config.pbtxt").write_text("backend: \"python\"\n")
-    variables = {"MAX_SLOTS": "3", "MAX_DRAFT_TOKENS": "3", "NUM_DRAFT_TOKENS": "1"}
+    variables = {"MAX_SLOTS": "3", "MAX_DRAFT_TOKENS": "3", "NUM_DRAFT_TOKENS": "1", "REQUEST_TIMEOUT_S": "90"}
     env = compose_config(COMPOSE_CPU, variables)["services"]["export"]["environment"]
     env.update(CHECKPOINT_DIR=str(drafting_checkpoint), MODEL_REPOSITORY=str(repository))
     done = run_script("export-repository.sh", env, timeout=300)
@@ -223,6 +223,7 @@ def test_container_entrypoints_export_then_serve(drafting_checkpoint: Path, tmp_
     assert sorted(p.name for p in repository.iterdir()) == ["export.json", "mtp", "spec_decode", "target"]
     sizes = json.loads((repository / "export.json").read_text())["sizes"]
     assert (sizes["max_slots"], sizes["max_draft_tokens"], sizes["default_num_draft_tokens"]) == (3, 3, 1)
+    assert 'key: "request_timeout_s", value: { string_value: "90.0" }' in (repository / "spec_decode" / "config.pbtxt").read_text()
 
     install = find_tritonserver()
     http_port, grpc_port, metrics_port = free_ports(3)
