@@ -119,3 +119,21 @@ def verify(
     n = num_accepted.view(B, 1)  # [B, 1]
     output_ids = torch.where(slots < n, padded_drafts, torch.where(slots == n, next_id, PAD_ID))  # [B, K+1]
     return num_accepted, output_ids
+
+
+def verify_greedy(target_ids: torch.Tensor, draft_ids: torch.Tensor, num_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify` for a batch whose rows are all greedy, from the target's argmax alone (no draws).
+
+    target_ids [B, K+1] int64: argmax p at each draft position and at the bonus position.
+    draft_ids [B, K], num_draft [B]: as in `verify`. Returns the same num_accepted [B] and
+    output_ids [B, K+1] as `verify` with every row greedy.
+    """
+    B, K1 = target_ids.shape
+    slots = torch.arange(K1, device=target_ids.device)  # [K+1]
+    accept = (draft_ids == target_ids[:, : K1 - 1]) & (slots[: K1 - 1] < num_draft.view(B, 1))  # [B, K]
+    num_accepted = accept.long().cumprod(-1).sum(-1)  # [B]
+    n = num_accepted.view(B, 1)  # [B, 1]
+    next_id = target_ids.gather(1, n)  # [B, 1] the target's token after the accepted drafts
+    padded_drafts = F.pad(draft_ids, (0, 1), value=PAD_ID)  # [B, K+1]
+    output_ids = torch.where(slots < n, padded_drafts, torch.where(slots == n, next_id, PAD_ID))  # [B, K+1]
+    return num_accepted, output_ids

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from triton_mtp.serving.rejection import verify as verify_drafts
+from triton_mtp.serving.rejection import verify_greedy
 from triton_mtp.serving.sampling import SamplingParams, row_generator, sample, target_probs
 
 TargetStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -152,24 +153,39 @@ class TargetWorker:
 
     @torch.no_grad()
     def verify(self, batch: TargetBatch) -> TargetResult:
-        batch = batch.to(self._device)
+        # Decisions on the host copies, before the batch moves: no device sync for them.
         _check_slots(batch.slot_ids, self._max_slots)
         generators = self._generators.rows(batch.slot_ids, batch.seeds, batch.new)
+        all_greedy = bool(batch.sampling().greedy.all())
+        K = int(batch.num_draft.max()) if batch.num_draft.numel() else 0
+        draft_lengths = batch.num_draft.unique().tolist()
+        batch = batch.to(self._device)
         logits, hidden = self._target(batch.token_ids, batch.positions, batch.slot_ids)  # [B, T, V], [B, T, H]
         B, T, V = logits.shape
-        draft_probs = batch.draft_probs(V)  # [B, K, V] or None
-        K = int(batch.num_draft.max()) if B else 0
         length = (batch.positions >= 0).sum(1)  # [B] valid tokens per row
         first = length - 1 - batch.num_draft  # [B] index of the token before the drafts
         window = (first.view(B, 1) + torch.arange(K + 1, device=logits.device)).clamp(0, T - 1)  # [B, K+1]
         window_logits = logits.gather(1, window.unsqueeze(-1).expand(B, K + 1, V))  # [B, K+1, V]
         draft_ids = batch.token_ids.gather(1, window[:, 1:])  # [B, K]
+        if all_greedy:  # argmax only: no processed distribution, no draws
+            num_accepted, output_ids = verify_greedy(window_logits.argmax(-1), draft_ids, batch.num_draft)
+        else:
+            num_accepted, output_ids = self._verify_sampled(batch, window_logits, draft_ids, draft_lengths, generators)
+        emitted_ids = output_ids.clamp(min=0).unsqueeze(-1)  # [B, K+1, 1]
+        logprobs = window_logits.log_softmax(-1).gather(-1, emitted_ids).squeeze(-1)  # [B, K+1]
+        return TargetResult(output_ids, num_accepted, logprobs, hidden.float())
+
+    @staticmethod
+    def _verify_sampled(batch: TargetBatch, window_logits: torch.Tensor, draft_ids: torch.Tensor,
+                        draft_lengths: list[int], generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rejection sampling; one verify per draft length k, so a row's draws depend on its own k only."""
+        B, K1, V = window_logits.shape
         params = batch.sampling()
         probs = target_probs(window_logits, params)  # [B, K+1, V]
-        num_accepted = torch.zeros(B, dtype=torch.int64, device=logits.device)  # [B]
-        output_ids = torch.full((B, K + 1), -1, dtype=torch.int64, device=logits.device)  # [B, K+1]
-        # One verify per draft length k, so a row's random draws depend on its own k only.
-        for k in batch.num_draft.unique().tolist():
+        draft_probs = batch.draft_probs(V)  # [B, K, V] or None
+        num_accepted = torch.zeros(B, dtype=torch.int64, device=window_logits.device)  # [B]
+        output_ids = torch.full((B, K1), -1, dtype=torch.int64, device=window_logits.device)  # [B, K+1]
+        for k in draft_lengths:
             rows = (batch.num_draft == k).nonzero().squeeze(1)  # [b]
             q = None if draft_probs is None else draft_probs[rows, :k]  # [b, k, V]
             accepted, emitted = verify_drafts(
@@ -178,9 +194,7 @@ class TargetWorker:
             )  # [b], [b, k+1]
             num_accepted[rows] = accepted
             output_ids[rows, : k + 1] = emitted
-        emitted_ids = output_ids.clamp(min=0).unsqueeze(-1)  # [B, K+1, 1]
-        logprobs = window_logits.log_softmax(-1).gather(-1, emitted_ids).squeeze(-1)  # [B, K+1]
-        return TargetResult(output_ids, num_accepted, logprobs, hidden.float())
+        return num_accepted, output_ids
 
 
 class DraftWorker:
@@ -199,14 +213,16 @@ class DraftWorker:
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> DraftResult:
-        batch = batch.to(self._device)
+        # Decisions on the host copies, before the batch moves: no device sync for them.
         _check_slots(batch.slot_ids, self._max_slots)
         generators = self._generators.rows(batch.slot_ids, batch.seeds, batch.new)
+        sampled = not bool(batch.sampling().greedy.all())
+        wanted = batch.num_draft.tolist()  # [B] drafts per row
+        K = max(wanted)
+        batch = batch.to(self._device)
         params = batch.sampling()
-        sampled = not bool(params.greedy.all())
         slots, num_draft = batch.slot_ids, batch.num_draft  # [B], [B]
         B = slots.shape[0]
-        K = int(num_draft.max())
         hidden = batch.hidden.to(self._dtype)  # [B, T, H]
         last = (batch.positions >= 0).sum(1) - 1  # [B] index of the last absorbed pair
         base = batch.positions.gather(1, last.view(B, 1))  # [B, 1] its position
@@ -220,17 +236,20 @@ class DraftWorker:
         chain_tokens, chain_hidden = [], []  # pairs for positions base+1, base+2, ...
         written = [0] * self._num_layers  # per layer: chain pairs already in its cache
         for step in range(K):
-            probs = target_probs(logits.unsqueeze(1), params)[:, 0]  # [B, V]
-            token = probs.argmax(-1)  # [B]
-            if sampled:
+            if not sampled:
+                token = logits.argmax(-1)  # [B] what the processed distribution's argmax would be
+            else:
+                probs = target_probs(logits.unsqueeze(1), params)[:, 0]  # [B, V]
+                token = probs.argmax(-1)  # [B]
                 q, support = probs.topk(min(DRAFT_SUPPORT, probs.shape[-1]), dim=-1)  # [B, N], [B, N]
                 q = q / q.sum(-1, keepdim=True)  # [B, N]
                 top_ids.append(support)
                 top_probs.append(q)
                 # Draw only for rows still drafting, so a row's draws depend on its own k.
-                active = (num_draft > step).nonzero().squeeze(1)  # [b]
+                active = [b for b in range(B) if wanted[b] > step]
                 dense = torch.zeros_like(probs).scatter_(-1, support, q)  # [B, V]
-                token[active] = sample(dense[active].unsqueeze(1), [generators[i] for i in active.tolist()])[:, 0]
+                active_rows = torch.tensor(active, device=dense.device)  # [b]
+                token[active_rows] = sample(dense[active_rows].unsqueeze(1), [generators[b] for b in active])[:, 0]
             drafts.append(token)
             if step + 1 == K:
                 break

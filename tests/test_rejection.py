@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from test_sampling import chi_square_p_value, hf_probs
 
-from triton_mtp.serving.rejection import PAD_ID, verify
+from triton_mtp.serving.rejection import PAD_ID, verify, verify_greedy
 from triton_mtp.serving.sampling import SamplingParams, row_generator, sample, target_probs
 
 V = 10  # vocabulary of the distribution tests
@@ -54,6 +54,22 @@ def test_greedy_early_mismatch_emits_the_target_token_there():
     num_accepted, output_ids = verify(p, drafts, None, torch.tensor([3, 3]), torch.tensor([True, True]), [None] * 2)
     assert num_accepted.tolist() == [1, 0]
     assert output_ids.tolist() == [[2, 4, PAD_ID, PAD_ID], [2, PAD_ID, PAD_ID, PAD_ID]]
+
+
+def test_greedy_fast_path_equals_verify_with_every_row_greedy():
+    gen = torch.Generator().manual_seed(3)
+    B, K, V = 64, 4, 12
+    logits = torch.randn(B, K + 1, V, generator=gen)  # [B, K+1, V]
+    target_ids = logits.argmax(-1)  # [B, K+1]
+    # drafts that often agree with the target for a while, then not
+    draft_ids = torch.where(torch.rand(B, K, generator=gen) < 0.7, target_ids[:, :K], torch.randint(0, V, (B, K), generator=gen))
+    num_draft = torch.randint(0, K + 1, (B,), generator=gen)  # [B]
+    probs = F.one_hot(target_ids, V).float()  # [B, K+1, V]
+    expected = verify(probs, draft_ids, None, num_draft, torch.ones(B, dtype=torch.bool), [None] * B)
+    got = verify_greedy(target_ids, draft_ids, num_draft)
+    for e, g in zip(expected, got):
+        assert torch.equal(g, e)
+    assert set(got[0].tolist()) > {0}  # some rows accepted drafts
 
 
 def test_empty_draft_is_plain_decoding_from_the_first_target_distribution():

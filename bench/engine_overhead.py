@@ -1,0 +1,118 @@
+"""Where an engine step's time goes, without Triton: the model calls against everything else.
+
+Runs the continuous-batching engine in process (`InProcessHops`: the same workers `target` and `mtp`
+run in the server) over held-out prompts of the checkpoint, greedy, and times each model call. The
+rest of a step is the engine's own work: building batches, sampling and verification, emitting.
+That rest is paid on every step whatever the device, so it bounds the step once the model calls are
+captured graphs.
+
+    python -m bench.engine_overhead --checkpoint models/tiny-dsv3-mtp [--device cpu --prompts 4 \\
+        --prompt-tokens 64 --max-tokens 64 --draft-tokens 0,3 --out overhead.json]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from triton_mtp.export.checkpoint import load_checkpoint
+from triton_mtp.serving.requests import EngineLimits, GenerationRequest, TokenizerFile, default_limits
+from triton_mtp.serving.scheduler import Scheduler
+from triton_mtp.serving.workers import DraftWorker, InProcessHops, TargetWorker
+from triton_mtp.train.acceptance import held_out_prompts
+
+from .common import environment, synchronize, write_result
+
+
+class TimedStep:
+    """A model step that adds its wall time (device synchronized) to `seconds`."""
+
+    def __init__(self, step, device: torch.device) -> None:
+        self.step, self.device, self.seconds = step, device, 0.0
+
+    def __call__(self, *inputs):
+        synchronize(self.device)
+        start = time.perf_counter()
+        out = self.step(*inputs)
+        synchronize(self.device)
+        self.seconds += time.perf_counter() - start
+        return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    tokenizer = TokenizerFile(Path(args.checkpoint) / "tokenizer.json")
+    prompts = held_out_prompts(tokenizer, args.prompts, args.prompt_tokens)
+    draft_counts = [int(k) for k in args.draft_tokens.split(",")]
+    max_seq_len = args.prompt_tokens + args.max_tokens + max(draft_counts) + 1
+    config, target, mtp = load_checkpoint(args.checkpoint, args.dtype, device, max_slots=len(prompts),
+                                          max_seq_len=max_seq_len, progress=False)
+    limits = EngineLimits(max_slots=len(prompts), max_seq_len=max_seq_len, vocab_size=config.vocab_size,
+                          max_draft_tokens=max(draft_counts), default_num_draft_tokens=0, eos_token_id=-1,
+                          max_queue_size=len(prompts), **default_limits(max_seq_len))
+    timed_target, timed_mtp = TimedStep(target, device), TimedStep(mtp, device)
+    hops = InProcessHops(TargetWorker(timed_target, len(prompts), device),
+                         DraftWorker(timed_mtp, config.num_nextn_predict_layers, len(prompts), device, target.lm_head.weight.dtype))
+    results = {"benchmark": "engine_overhead", "device": str(device), "dtype": args.dtype, "prompts": len(prompts),
+               "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "environment": environment(),
+               "runs": {}}
+    handle = _Drop()
+    for k in draft_counts:
+        engine = Scheduler(hops, limits)
+        for prompt in prompts:
+            engine.submit(GenerationRequest(input_ids=prompt, max_tokens=args.max_tokens, num_draft_tokens=k), handle)
+        timed_target.seconds = timed_mtp.seconds = 0.0
+        steps, start = 0, time.perf_counter()
+        while not engine.idle:
+            engine.step()
+            steps += 1
+        synchronize(device)
+        total = time.perf_counter() - start
+        if handle.errors:
+            raise RuntimeError(f"k={k}: {handle.errors[0]}")
+        model = timed_target.seconds + timed_mtp.seconds
+        run_result = {"steps": steps, "step_ms": 1e3 * total / steps, "target_ms": 1e3 * timed_target.seconds / steps,
+                      "mtp_ms": 1e3 * timed_mtp.seconds / steps, "engine_ms": 1e3 * (total - model) / steps,
+                      "tokens": engine.metrics.counters["spec_decode_emitted_tokens"]}
+        results["runs"][str(k)] = run_result
+        print(f"k={k}: {steps} steps, {run_result['step_ms']:.2f} ms/step = target {run_result['target_ms']:.2f} "
+              f"+ mtp {run_result['mtp_ms']:.2f} + engine {run_result['engine_ms']:.2f}", flush=True)
+    if args.out:
+        write_result(args.out, results)
+    return results
+
+
+class _Drop:
+    """A response handle that keeps only errors (the engine's counters are what is measured)."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    def send(self, response, final: bool) -> None:
+        pass
+
+    def send_error(self, message: str) -> None:
+        self.errors.append(message)
+
+    def is_cancelled(self) -> bool:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--draft-tokens", default="0,3", help="comma-separated k values (0 = plain)")
+    parser.add_argument("--out", help="result JSON file")
+    run(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
