@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from triton_mtp.export.checkpoint import load_checkpoint
+from triton_mtp.export.graphs import export_graphs, load_step
 from triton_mtp.serving.graphs import (
     EagerReplay, GraphedMTP, GraphedTarget, batch_buckets, graphs_wanted, with_decode_graphs,
 )
@@ -75,6 +76,29 @@ def test_graphed_mtp_equals_the_step_per_layer(twins):
             hidden = torch.randn(*token_ids.shape, config.hidden_size, generator=gen)  # [B, T, H]
             expected = plain(token_ids, hidden, positions, slots, layer)
             got = graphed(token_ids, hidden, positions, slots, layer)
+            for e, g in zip(expected, got):
+                torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+def test_graphed_torchscript_runners_equal_the_plain_runners(twins, tmp_path):
+    """The served path: `load_step` runners (TorchScript, their own KV pools) behind the wrappers."""
+    (config, target, mtp), _ = twins
+    export_graphs(target, mtp, tmp_path, "torchscript")
+    plain_target, plain_mtp = load_step(tmp_path / "target.pt", "torchscript"), load_step(tmp_path / "mtp_0.pt", "torchscript")
+    cpu = torch.device("cpu")
+    graphed_target = GraphedTarget(load_step(tmp_path / "target.pt", "torchscript"), MAX_SLOTS, WIDTH, cpu,
+                                   graph=EagerReplay)
+    graphed_mtp = GraphedMTP(load_step(tmp_path / "mtp_0.pt", "torchscript"), config.num_nextn_predict_layers,
+                             MAX_SLOTS, WIDTH, config.hidden_size, torch.float32, cpu, graph=EagerReplay)
+    gen = torch.Generator().manual_seed(2)
+    for rows in ([(0, 0, 6), (4, 0, 8)], [(0, 6, 3), (4, 8, 1)], [(0, 9, 2), (1, 0, 1), (4, 9, 4)]):
+        inputs = _window(rows, config.vocab_size, gen)
+        for e, g in zip(plain_target(*inputs), graphed_target(*inputs)):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+        hidden = torch.randn(*inputs[0].shape, config.hidden_size, generator=gen)  # [B, T, H]
+        for layer in range(config.num_nextn_predict_layers):
+            expected = plain_mtp(inputs[0], hidden, inputs[1], inputs[2], layer)
+            got = graphed_mtp(inputs[0], hidden, inputs[1], inputs[2], layer)
             for e, g in zip(expected, got):
                 torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
 
