@@ -98,7 +98,7 @@ from triton_mtp.export.synthetic import write_checkpoint; write_checkpoint('$che
     fi
 else
     device=cuda dtype=bf16 graphs=cudagraph prompts=8 prompt_tokens=128 max_tokens=128 drafts=1,2,3,4
-    streams=1,2,4,8,16,32,64 hf_prompts=4 warmup=3 limit=0 realistic_args=(--layers "${BENCH_REALISTIC_LAYERS:-27}" --context 512)
+    streams=1,2,4,8,16,32,64 hf_prompts=4 warmup=1 limit=0 realistic_args=(--layers "${BENCH_REALISTIC_LAYERS:-27}" --context 512)
 fi
 checkpoint=${checkpoint:-$repo/models/tiny-dsv3-mtp}
 max_draft=${drafts##*,}
@@ -141,7 +141,7 @@ if [ -z "${BENCH_REPOSITORY:-}" ]; then
 fi
 if [ -d "$repository/spec_decode" ]; then
     stub_path_on
-    stage triton "${BENCH_TRITON_S:-170}" python -m bench.triton_bench "${common[@]}" --repository "$repository" \
+    stage triton "${BENCH_TRITON_S:-240}" python -m bench.triton_bench "${common[@]}" --repository "$repository" \
         --out "$stages/triton.json" --server-log "$OUT/server.log" --draft-tokens "$drafts" --concurrency "$streams" --warmup "$warmup"
     stub_path_off
 else

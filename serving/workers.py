@@ -158,7 +158,7 @@ class TargetWorker:
         generators = self._generators.rows(batch.slot_ids, batch.seeds, batch.new)
         all_greedy = bool(batch.sampling().greedy.all())
         K = int(batch.num_draft.max()) if batch.num_draft.numel() else 0
-        draft_lengths = batch.num_draft.unique().tolist()
+        draft_lengths = [] if all_greedy else batch.num_draft.unique().tolist()  # k values of the per-k verify
         batch = batch.to(self._device)
         logits, hidden = self._target(batch.token_ids, batch.positions, batch.slot_ids)  # [B, T, V], [B, T, H]
         B, T, V = logits.shape
