@@ -145,6 +145,12 @@ def test_the_documented_python_examples_run(server, capsys):
     assert re.search(r"acceptance \d+%, mean accepted length \d\.\d\d", out)
     assert "Completion(" in out and "Delta(" in out
 
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    (block,) = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    exec(compile(block.replace("localhost:8001", server.grpc_url), "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert re.search(r" length\nmean accepted length \d\.\d\d\n", out), out
+
 
 def test_acceptance_figures_follow_the_vllm_conventions():
     stats = Acceptance(draft_tokens=12, accepted_draft_tokens=5, accepted_per_position=[3, 2, 0], steps=4)
