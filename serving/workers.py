@@ -8,7 +8,9 @@ accepted counts, logprobs and the window's hidden states leave the model.
 `DraftWorker.propose` first absorbs the newly accepted tokens paired with the target's hidden
 states into every MTP layer's cache (prefill: the shifted prompt), then drafts up to k tokens per
 row autoregressively: draft step s uses MTP layer `s % num_layers` and recycles the MTP's own
-hidden state after `shared_head.norm` (DeepSeek-V3 §2.2, as served by vLLM / SGLang).
+hidden state after `shared_head.norm` (DeepSeek-V3 §2.2, as served by vLLM / SGLang). A layer
+that drafts later in the call absorbs in its first drafting call, so a step makes
+max(num_layers, k) MTP calls rather than num_layers + k - 1.
 
 The hop payloads are dataclasses of tensors whose field names are the Triton tensor names, so the
 `model.py` adapters and the in-process test backend move them the same way.
@@ -226,9 +228,13 @@ class DraftWorker:
         hidden = batch.hidden.to(self._dtype)  # [B, T, H]
         last = (batch.positions >= 0).sum(1) - 1  # [B] index of the last absorbed pair
         base = batch.positions.gather(1, last.view(B, 1))  # [B, 1] its position
-        # Absorb into every layer, so each layer's cache covers every position up to `base`.
+        # Absorb into every layer, so each layer's cache covers every position up to `base`. A layer that
+        # chains a draft in this call (layer l >= 1 first does at chain step l) absorbs in that same call:
+        # its chain pairs follow the absorbed ones, one call fewer. The rest absorb now, layer 0 last (draft 1).
+        deferred = set(range(1, min(self._num_layers, K)))
         for layer in range(self._num_layers - 1, -1, -1):
-            logits, out = self._mtp(batch.token_ids, hidden, batch.positions, slots, layer)  # [B, T, V], [B, T, H]
+            if layer not in deferred:
+                logits, out = self._mtp(batch.token_ids, hidden, batch.positions, slots, layer)  # [B, T, V], [B, T, H]
         rows = torch.arange(B, device=slots.device)  # [B]
         logits, out = logits[rows, last], out[rows, last]  # [B, V], [B, H] from layer 0: draft 1
 
@@ -263,6 +269,11 @@ class DraftWorker:
             offsets = torch.arange(start + 1, step + 2, device=base.device)  # [n]
             positions = base + offsets  # [B, n]
             positions = torch.where(num_draft.view(B, 1) > step + 1, positions, -1)  # [B, n] done rows pad
+            if layer in deferred:  # the absorbed pairs first; padding between them writes only scratch
+                deferred.discard(layer)
+                tokens = torch.cat([batch.token_ids, tokens], 1)  # [B, T + n]
+                pairs_hidden = torch.cat([hidden, pairs_hidden], 1)  # [B, T + n, H]
+                positions = torch.cat([batch.positions, positions], 1)  # [B, T + n]
             logits, out = self._mtp(tokens, pairs_hidden, positions, slots, layer)  # [B, n, V], [B, n, H]
             logits, out = logits[:, -1], out[:, -1]  # [B, V], [B, H]
             written[layer] = step + 1

@@ -14,7 +14,8 @@ class TritonPythonModel:
         self.runner = parallel.load_parallel_step(triton_io.artifact_dir(args), params["format"], device, world_size)
         step = self.runner
         if graphs.graphs_wanted(params, device, world_size):
-            width = int_parameter(params, "max_draft_tokens", 1) + 1  # absorbed pairs and chained drafts fit
+            # the widest decode call: k + 1 absorbed pairs, then up to num_layers - 1 chained drafts
+            width = int_parameter(params, "max_draft_tokens", 1) + num_layers
             hidden_size = int_parameter(params, "hidden_size", 1)
             step = graphs.with_decode_graphs(
                 lambda: graphs.GraphedMTP(self.runner, num_layers, max_slots, width, hidden_size, dtype, device),
