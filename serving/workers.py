@@ -9,8 +9,8 @@ accepted counts, logprobs and the window's hidden states leave the model.
 states into every MTP layer's cache (prefill: the shifted prompt), then drafts up to k tokens per
 row autoregressively: draft step s uses MTP layer `s % num_layers` and recycles the MTP's own
 hidden state after `shared_head.norm` (DeepSeek-V3 §2.2, as served by vLLM / SGLang). A layer
-that drafts later in the call absorbs in its first drafting call, so a step makes
-max(num_layers, k) MTP calls rather than num_layers + k - 1.
+absorbs in its first drafting call, and only layers the rows still draft with absorb, so a step
+makes k MTP calls rather than num_layers + k - 1.
 
 The hop payloads are dataclasses of tensors whose field names are the Triton tensor names, so the
 `model.py` adapters and the in-process test backend move them the same way.
@@ -228,13 +228,12 @@ class DraftWorker:
         hidden = batch.hidden.to(self._dtype)  # [B, T, H]
         last = (batch.positions >= 0).sum(1) - 1  # [B] index of the last absorbed pair
         base = batch.positions.gather(1, last.view(B, 1))  # [B, 1] its position
-        # Absorb into every layer, so each layer's cache covers every position up to `base`. A layer that
-        # chains a draft in this call (layer l >= 1 first does at chain step l) absorbs in that same call:
-        # its chain pairs follow the absorbed ones, one call fewer. The rest absorb now, layer 0 last (draft 1).
+        # Every layer a row drafts with must cover every position up to `base`. Layer 0 absorbs now and its
+        # last row drafts token 1. Layer l >= 1 first drafts at chain step l and absorbs in that same call
+        # (the absorbed pairs, then its chain pairs). A layer l >= K is skipped: a row's draft count never
+        # grows, so no row of this batch drafts with it again. One MTP call per draft token.
         deferred = set(range(1, min(self._num_layers, K)))
-        for layer in range(self._num_layers - 1, -1, -1):
-            if layer not in deferred:
-                logits, out = self._mtp(batch.token_ids, hidden, batch.positions, slots, layer)  # [B, T, V], [B, T, H]
+        logits, out = self._mtp(batch.token_ids, hidden, batch.positions, slots, 0)  # [B, T, V], [B, T, H]
         rows = torch.arange(B, device=slots.device)  # [B]
         logits, out = logits[rows, last], out[rows, last]  # [B, V], [B, H] from layer 0: draft 1
 
