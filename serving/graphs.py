@@ -3,9 +3,10 @@
 A decode step of a small model is bound by kernel launches, not by the GPU: on the H200 the bundled
 model decodes in 1.34 ms per token when its step is one captured graph (bench/standalone.py) and in
 15 ms through Triton when every kernel is launched from Python (docs/benchmarks.md). So, as vLLM
-and SGLang do, calls whose shape fits — B rows <= the largest bucket, T tokens <= the verify window
-W = max_draft_tokens + 1 — are padded to (bucket(B), W) and replayed from a graph captured at load;
-larger calls (prompt prefill) run eager. Padding is harmless: padded tokens carry position -1, which
+and SGLang do, calls whose shape fits — B rows <= the largest bucket, T tokens <= a width W (the
+verify window max_draft_tokens + 1 for `target`; max_draft_tokens + num_mtp_layers for `mtp`) — are
+padded to (bucket(B), W) and replayed from a graph captured at load; larger calls (prompt prefill)
+run eager. Padding is harmless: padded tokens carry position -1, which
 writes the pool's scratch position and is never attended (export/mla.py), and padded rows use slot 0.
 
 Graphs of one wrapper share one memory pool (captured largest first): they never run at once, and
