@@ -10,8 +10,8 @@ drafters on the frozen model's outputs:
 Only `model.layers.{N+i}.*` change; the embedding and head the MTP shares with the target stay frozen.
 
 Depth k runs the layers the way `serving/workers.py` DraftWorker runs them (layer (k-1) % D). Prefill
-writes every layer's cache with the target pairs (embed(t[j+1]), h^0[j]) at position j; draft step m
-then writes the chain pair (embed(t[i+m+1]), h^m[i]) at position i+m, where h^m is the output of depth m
+writes the cache of every layer a request drafts with: the target pairs (embed(t[j+1]), h^0[j]) at
+position j; draft step m then writes the chain pair (embed(t[i+m+1]), h^m[i]) at position i+m, where h^m is the output of depth m
 after `shared_head.norm`. So depth k's query is the last chain pair and attends to the target pairs at
 positions <= i and the chain pairs i+1..i+k-1 of its own row: `serving_mask` builds that pattern over
 one sequence [target pairs | chain 1 | ... | chain k-1].
