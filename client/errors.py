@@ -10,13 +10,14 @@
 
 Triton passes on the errors a decoupled model sends for a request without their code: over gRPC as a
 bare in-band message, over the HTTP generate extension as status 400 (an internal error included).
-Those are `InvalidArgumentError` unless the message says the model is unknown, not ready or busy.
+Those are `InvalidArgumentError` unless the message says the model is unknown, not ready, busy or
+being unloaded.
 """
 from __future__ import annotations
 
 import grpc
 
-UNAVAILABLE_MARKERS = ("unknown model", "is not ready", "no available version", "slots are busy")
+UNAVAILABLE_MARKERS = ("unknown model", "is not ready", "no available version", "slots are busy", "being unloaded")
 
 
 class TritonMTPError(Exception):

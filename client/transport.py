@@ -23,8 +23,7 @@ import grpc
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
-from tritonclient.grpc import KeepAliveOptions
-from tritonclient.grpc._client import MAX_GRPC_MESSAGE_SIZE
+from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE, KeepAliveOptions
 
 from . import errors
 from .types import RESPONSE_TENSORS, TOTALS, GenerateRequest

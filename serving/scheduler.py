@@ -209,7 +209,10 @@ class Scheduler:
                 self._waiting.remove(w)
         for w in expired:
             self.metrics.finish("timeout")
-            w.handle.send_error(message)
+            try:
+                w.handle.send_error(message)
+            except Exception:  # noqa: BLE001 - the client is gone; nothing is left to tell it
+                pass
         for s in [s for s in self._live if s.deadline < now]:
             self._fail(s, message, reason="timeout")
 

@@ -111,13 +111,32 @@ class Broken(EagerReplay):
         return logits + 1.0, hidden
 
 
+class Stale(EagerReplay):
+    """A replay that returns what the capture-time run gave, as a graph that captured no kernels would."""
+
+    def __init__(self, step, example_inputs, pool=None) -> None:
+        super().__init__(step, example_inputs, pool)
+        self.outputs = tuple(x.clone() for x in super().replay())
+
+    def replay(self):
+        return self.outputs
+
+
+def test_a_graph_that_captured_nothing_is_caught(twins):
+    (_, target, _), _ = twins
+    lines = []
+    step = with_decode_graphs(lambda: GraphedTarget(target, 2, WIDTH, torch.device("cpu"), graph=Stale),
+                              target, lines.append)
+    assert step is target and "differs from eager" in lines[0]
+
+
 def test_a_graph_that_disagrees_with_eager_falls_back_to_the_step(twins):
     (_, target, _), _ = twins
     lines = []
     step = with_decode_graphs(lambda: GraphedTarget(target, 2, WIDTH, torch.device("cpu"), graph=Broken),
                               target, lines.append)
     assert step is target
-    assert lines and lines[0].startswith("CUDA graphs off, running eager: RuntimeError: CUDA graph of target differs")
+    assert lines and lines[0].startswith("CUDA graphs off, running eager: RuntimeError: CUDA graph of target (batch 2) differs")
     lines.clear()
     step = with_decode_graphs(lambda: GraphedTarget(target, 2, WIDTH, torch.device("cpu"), graph=EagerReplay),
                               target, lines.append)

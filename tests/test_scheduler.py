@@ -255,6 +255,26 @@ def test_requests_past_request_timeout_fail_waiting_or_live_and_free_their_slots
     assert later.final.num_output_tokens == 3
 
 
+class Gone(Collect):
+    """A client that disconnected: sending it anything fails."""
+
+    def send_error(self, message: str) -> None:
+        raise RuntimeError("the stream is closed")
+
+
+def test_an_expired_request_whose_client_is_gone_leaves_the_others_running(models):
+    now = [0.0]
+    engine = scheduler(models, clock=lambda: now[0], request_timeout_s=5.0)
+    gone, other = Gone(), Collect()
+    engine.submit(GenerationRequest([5, 6], 40), gone)
+    now[0] = 1.0
+    engine.submit(GenerationRequest([5, 6, 7], 6), other)
+    now[0] = 5.5  # past the first request's deadline only
+    engine.run_until_idle()
+    assert other.error is None and other.final.num_output_tokens == 6
+    assert engine.metrics.finished["timeout"] == 1 and engine.slots.num_free == MAX_SLOTS
+
+
 class Words:
     """A tokenizer with one token per whitespace-separated word (ids from their length)."""
 
