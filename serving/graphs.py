@@ -102,6 +102,29 @@ class _GraphedStep:
     def _bound(self, key: int | None) -> Step:
         raise NotImplementedError
 
+    def check_against_eager(self, tolerance: float = 5e-2) -> None:
+        """Replay every graph on inputs unlike its capture example and compare its logits with the eager step's.
+
+        Token ids 1 (and random hidden states) rather than the capture's zeros, so a graph that captured
+        nothing (it would return the capture-time outputs) fails. Every position is -1: the check writes
+        only the scratch position and leaves the KV pool as it found it. RuntimeError with the relative
+        error when a graph disagrees.
+        """
+        generator = torch.Generator(device=self.device).manual_seed(0)
+        with self.on_device():
+            for (key, b), replay in self.graphs.items():
+                inputs = self._example(b)
+                inputs[0].fill_(1)
+                if self.hidden is not None:
+                    inputs[1].normal_(generator=generator)
+                with torch.no_grad():
+                    expected = self._bound(key)(*inputs)[0].float()  # [b, W, V]
+                got = replay(*inputs)[0].float()  # [b, W, V]
+                error = float((got - expected).abs().max() / expected.abs().max().clamp(min=1e-6))
+                if not error <= tolerance:
+                    raise RuntimeError(f"CUDA graph of {'target' if key is None else f'mtp layer {key}'} (batch {b}) "
+                                       f"differs from eager: max relative error {error:.2e} > {tolerance:.0e}")
+
     def _example(self, b: int) -> list[torch.Tensor]:
         """Inputs of bucket b: every token padding (position -1), as a padded call sends them."""
         token_ids = torch.zeros(b, self.width, dtype=torch.long, device=self.device)  # [b, W]
@@ -170,35 +193,11 @@ class GraphedMTP(_GraphedStep):
         return self._replay(layer % self.num_layers, token_ids, positions, slot_ids, hidden)
 
 
-def check_against_eager(graphed: _GraphedStep, tolerance: float = 5e-2) -> None:
-    """Replay every graph on inputs unlike its capture example and compare its logits with the eager step's.
-
-    Token ids 1 (and random hidden states) rather than the capture's zeros, so a graph that captured
-    nothing (it would return the capture-time outputs) fails. Every position is -1: the check writes only
-    the scratch position and leaves the KV pool as it found it. RuntimeError with the relative error when
-    a graph disagrees.
-    """
-    generator = torch.Generator(device=graphed.device).manual_seed(0)
-    with graphed.on_device():
-        for (key, b), replay in graphed.graphs.items():
-            inputs = graphed._example(b)
-            inputs[0].fill_(1)
-            if graphed.hidden is not None:
-                inputs[1].normal_(generator=generator)
-            with torch.no_grad():
-                expected = graphed._bound(key)(*inputs)[0].float()  # [b, W, V]
-            got = replay(*inputs)[0].float()  # [b, W, V]
-            error = float((got - expected).abs().max() / expected.abs().max().clamp(min=1e-6))
-            if not error <= tolerance:
-                raise RuntimeError(f"CUDA graph of {'target' if key is None else f'mtp layer {key}'} (batch {b}) "
-                                   f"differs from eager: max relative error {error:.2e} > {tolerance:.0e}")
-
-
 def with_decode_graphs(build: Callable[[], _GraphedStep], step: Step, log: Callable[[str], None]) -> Step:
     """`build()` checked against eager, or `step` itself with a log line saying why graphs are off."""
     try:
         graphed = build()
-        check_against_eager(graphed)
+        graphed.check_against_eager()
     except Exception as exc:  # noqa: BLE001 - eager is always a correct fallback
         log(f"CUDA graphs off, running eager: {type(exc).__name__}: {exc}")
         return step
@@ -210,9 +209,10 @@ GRAPH_FORMATS = ("torchscript", "eager")  # ONNX Runtime and AOTInductor launch 
 
 
 def graphs_wanted(params: dict[str, str], device: torch.device, world_size: int) -> bool:
-    """Whether a `target` / `mtp` model captures decode graphs: config parameter `cuda_graphs`
-    (default true) on a CUDA device, a format torch can capture, one rank."""
-    value = params.get("cuda_graphs", "true")
+    """Whether a `target` / `mtp` model captures decode graphs: config parameter `cuda_graphs` true (the
+    export writes it; a repository from before it has none and runs eager) on a CUDA device, a format
+    torch can capture, one rank."""
+    value = params.get("cuda_graphs", "false")
     if value not in ("true", "false"):
         raise ValueError(f"config.pbtxt: parameter 'cuda_graphs' must be true or false, got {value!r}")
     return value == "true" and device.type == "cuda" and world_size == 1 and params.get("format") in GRAPH_FORMATS

@@ -202,18 +202,21 @@ class Scheduler:
     def _drop_expired(self) -> None:
         """Fail every request, waiting or live, past its `request_timeout_s` (its slot is freed)."""
         now = self._clock()
-        message = f"request_timeout_s: the request did not finish within {self._limits.request_timeout_s:g} s"
         with self._cond:
             expired = [w for w in self._waiting if w.deadline < now]
             for w in expired:
                 self._waiting.remove(w)
+        timed_out = [s for s in self._live if s.deadline < now]
+        if not expired and not timed_out:
+            return
+        message = f"request_timeout_s: the request did not finish within {self._limits.request_timeout_s:g} s"
         for w in expired:
             self.metrics.finish("timeout")
             try:
                 w.handle.send_error(message)
             except Exception:  # noqa: BLE001 - the client is gone; nothing is left to tell it
                 pass
-        for s in [s for s in self._live if s.deadline < now]:
+        for s in timed_out:
             self._fail(s, message, reason="timeout")
 
     def _admit(self) -> None:

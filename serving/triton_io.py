@@ -12,6 +12,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from triton_mtp.export.formats import DTYPES, FORMATS
+from triton_mtp.serving import graphs, parallel
 from triton_mtp.serving.metrics import COUNTERS, GAUGES
 from triton_mtp.serving.requests import (
     EngineLimits, GenerationResponse, QueueFull, RequestError, Tokenizer, int_parameter, parse_request,
@@ -162,3 +163,21 @@ def artifact_dir(args: dict) -> Path:
 def log(message: str) -> None:
     """A line in tritonserver's log."""
     pb_utils.Logger.log_info(message)
+
+
+def load_model_step(args: dict, params: dict[str, str], device: torch.device,
+                    graphed: Callable[[Callable], graphs.Step]) -> tuple[Callable, Callable]:
+    """(runner, step) of a `target` / `mtp` model: the exported graphs, sharded over
+    `tensor_parallel_size` ranks, and the step the worker calls, `graphed(runner)` when the model
+    captures decode graphs (falling back to the runner, with a log line, if that fails)."""
+    world_size = parallel.tensor_parallel_size(params, device)
+    runner = parallel.load_parallel_step(artifact_dir(args), params["format"], device, world_size)
+    if not graphs.graphs_wanted(params, device, world_size):
+        return runner, runner
+    return runner, graphs.with_decode_graphs(lambda: graphed(runner), runner, log)
+
+
+def close_model_step(runner: Callable) -> None:
+    """Stop a tensor-parallel runner's ranks; a single-process runner holds nothing to stop."""
+    if isinstance(runner, parallel.TensorParallelStep):
+        runner.close()

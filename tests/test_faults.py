@@ -23,7 +23,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from bench.soak import SoakRequest, run_one, slot_gauges, wait_for_idle
-from test_spec_decode import word_tokenizer
+from tiny_config import word_tokenizer
 from triton_mtp.client import Client, UnavailableError
 from triton_mtp.serving.server import TritonServer, admin_headers, free_ports
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
-from tokenizers import Tokenizer, models, pre_tokenizers
 
+from tiny_config import word_tokenizer
 from triton_mtp.export.repository import write_repository
 
 MAX_SLOTS = 4
@@ -30,13 +30,6 @@ TYPES = {"text_input": ("BYTES", np.object_), "input_ids": ("INT32", np.int32), 
          "temperature": ("FP32", np.float32), "top_p": ("FP32", np.float32), "top_k": ("INT32", np.int32),
          "seed": ("UINT64", np.uint64), "num_draft_tokens": ("INT32", np.int32), "stop_words": ("BYTES", np.object_),
          "return_logprobs": ("BOOL", np.bool_), "stream": ("BOOL", np.bool_)}
-
-
-def word_tokenizer(path: Path) -> None:
-    """tokenizer.json whose token i is the word `t<i>`, so text and ids translate by eye."""
-    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(path))
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,10 @@
-"""A tiny DeepSeek-V3 config.json dict that turns every model feature on, shared by the tests."""
+"""A tiny DeepSeek-V3 config.json dict that turns every model feature on, and a tokenizer for its
+vocabulary, shared by the tests."""
 
+from pathlib import Path
 from typing import Any
+
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 
 def tiny_config() -> dict[str, Any]:
@@ -52,3 +56,11 @@ def tiny_config() -> dict[str, Any]:
         "attention_bias": False,
         "initializer_range": 0.02,
     }
+
+
+def word_tokenizer(path: Path) -> None:
+    """tokenizer.json whose token i is the word `t<i>`, so text and ids translate by eye."""
+    vocab = tiny_config()["vocab_size"]
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path))
