@@ -139,6 +139,16 @@ def markdown(results: dict[str, Any], targets: dict[str, float | None]) -> str:
                          f"| {_fmt(r.get('mean_accepted_length'))} | {_fmt(r.get('hops_per_token'))} |")
     if "hf_generate" in results:
         lines.append(f"| transformers generate | {_fmt(results['hf_generate']['tokens_per_s'], 1)} | - | - | - | - | - | - |")
+    calls = [(k, r["models"]) for k, r in results.get("triton", {}).get("batch1", {}).items() if "models" in r]
+    if calls:
+        lines += ["", "Server time per call of the hop models (Prometheus counters over the run; compute = the model's "
+                  "execute, request = queue + compute):", "",
+                  "| run | target calls | target compute ms | target request ms | mtp calls | mtp compute ms | mtp request ms |",
+                  "|---|---|---|---|---|---|---|"]
+        for k, m in calls:
+            t, d = m["target"], m["mtp"]
+            lines.append(f"| Triton k={k} | {t['calls']:.0f} | {_fmt(t['compute_ms'], 3)} | {_fmt(t['request_ms'], 3)} "
+                         f"| {d['calls']:.0f} | {_fmt(d['compute_ms'], 3)} | {_fmt(d['request_ms'], 3)} |")
     matches = same_outputs(results)
     if matches:
         lines += ["", "Greedy outputs through Triton equal the standalone loop's: "

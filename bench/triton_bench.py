@@ -38,7 +38,8 @@ MODEL = "spec_decode"
 HOP_MODELS = ("target", "mtp")
 RESPONSE_TIMEOUT_S = 300.0
 STOP_GRACE_S = 5.0  # the stage's time limit leaves little room for a slow shutdown
-_SUCCESS = re.compile(r'^nv_inference_request_success\{[^}]*model="([^"]+)"[^}]*\}\s+([0-9.e+]+)', re.MULTILINE)
+_COUNTER = re.compile(r'^(nv_inference_request_success|nv_inference_compute_infer_duration_us|nv_inference_request_duration_us)'
+                      r'\{[^}]*model="([^"]+)"[^}]*\}\s+([0-9.e+]+)', re.MULTILINE)
 
 
 @dataclass
@@ -107,14 +108,32 @@ class StreamClient:
                 return stats
 
 
-def hop_counts(metrics_url: str) -> dict[str, float]:
-    """`nv_inference_request_success` per model, from the server's Prometheus endpoint."""
+def server_counters(metrics_url: str) -> dict[tuple[str, str], float]:
+    """(metric, model) -> value for requests served and their compute / request microseconds, from the
+    server's Prometheus endpoint."""
     with urllib.request.urlopen(metrics_url, timeout=10) as response:
         text = response.read().decode()
-    counts: dict[str, float] = {}
-    for model, value in _SUCCESS.findall(text):
-        counts[model] = counts.get(model, 0.0) + float(value)
-    return counts
+    counters: dict[tuple[str, str], float] = {}
+    for metric, model, value in _COUNTER.findall(text):
+        counters[metric, model] = counters.get((metric, model), 0.0) + float(value)
+    return counters
+
+
+def per_call_ms(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    """Per hop model: calls, and the mean compute (the model's execute) and request (queue included)
+    milliseconds of a call over the run: how much of a step the models themselves take."""
+    def delta(metric: str, model: str) -> float:
+        return after.get((metric, model), 0.0) - before.get((metric, model), 0.0)
+
+    result = {}
+    for model in HOP_MODELS:
+        calls = delta("nv_inference_request_success", model)
+        result[model] = {
+            "calls": calls,
+            "compute_ms": delta("nv_inference_compute_infer_duration_us", model) / calls / 1e3 if calls else 0.0,
+            "request_ms": delta("nv_inference_request_duration_us", model) / calls / 1e3 if calls else 0.0,
+        }
+    return result
 
 
 def run_level(url: str, metrics_url: str, prompts: list[list[int]], streams: int, requests: int,
@@ -146,7 +165,7 @@ def run_level(url: str, metrics_url: str, prompts: list[list[int]], streams: int
             with lock:
                 stats[i] = s
 
-    before = hop_counts(metrics_url)
+    before = server_counters(metrics_url)
     start = time.perf_counter()
     threads = [threading.Thread(target=worker, args=(c,), daemon=True) for c in clients]
     for t in threads:
@@ -154,7 +173,7 @@ def run_level(url: str, metrics_url: str, prompts: list[list[int]], streams: int
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
-    after = hop_counts(metrics_url)
+    after = server_counters(metrics_url)
     for c in clients:
         c.close()
     if errors:
@@ -162,14 +181,15 @@ def run_level(url: str, metrics_url: str, prompts: list[list[int]], streams: int
     outputs = [stats[i].output_ids for i in sorted(stats)]
     stats = list(stats.values())
     tokens = sum(len(s.output_ids) for s in stats)
-    hops = sum(after.get(m, 0.0) - before.get(m, 0.0) for m in HOP_MODELS)
+    models = per_call_ms(before, after)
+    hops = sum(m["calls"] for m in models.values())
     result = {
         "num_draft_tokens": k, "streams": streams, "requests": len(stats), "output_tokens": tokens,
         "wall_s": wall, "tokens_per_s": tokens / wall if wall else 0.0,
         "per_stream_tokens_per_s": float(np.mean([len(s.output_ids) / s.total_s for s in stats if s.total_s])) if stats else 0.0,
         "ttft": latency_summary([s.ttft_s for s in stats]),
         "itl": latency_summary([g for s in stats for g in s.gaps]),
-        "hops": hops, "hops_per_token": hops / tokens if tokens else 0.0,
+        "hops": hops, "hops_per_token": hops / tokens if tokens else 0.0, "models": models,
     }
     if keep_outputs:
         result["outputs"] = outputs
