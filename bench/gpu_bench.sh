@@ -6,6 +6,8 @@
 # Run from the repository root. Stages, each under its own time limit; a stage that fails or runs out
 # of time is logged and the others still run:
 #   export      triton-mtp export of the checkpoint into a model repository (BENCH_FORMAT, default torchscript)
+#   capture     bench/capture_check.py: whether the served decode graphs capture over the TorchScript artifacts
+#               outside Triton, per JIT setting, and their batch-1 call time (on a GPU)
 #   triton      bench/triton_bench.py against an embedded tritonserver: batch 1 plain and k=1..4, then the
 #               concurrency sweep for plain and the best k
 #   standalone  bench/standalone.py: the same checkpoint in one process, steps as captured CUDA graphs,
@@ -138,6 +140,10 @@ if [ -z "${BENCH_REPOSITORY:-}" ]; then
     stage export "${BENCH_EXPORT_S:-90}" python -m triton_mtp.cli export --checkpoint "$checkpoint" \
         --repository "$repository" --format "${BENCH_FORMAT:-torchscript}" --device "$device" --dtype "$dtype" \
         --max-slots 64 --max-seq-len "$max_seq_len" --max-draft-tokens "$max_draft" --max-queue-size 256
+fi
+if [ -d "$repository/spec_decode" ] && [ "$device" = cuda ] && [ "${BENCH_FORMAT:-torchscript}" = torchscript ]; then
+    stage capture "${BENCH_CAPTURE_S:-90}" python -m bench.capture_check --repository "$repository" \
+        --out "$stages/capture.json" --max-slots 64 --max-draft-tokens "$max_draft"
 fi
 if [ -d "$repository/spec_decode" ]; then
     stub_path_on

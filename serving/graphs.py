@@ -45,7 +45,7 @@ class CapturedStep(_StaticReplay):
     Outputs live in the graph's static buffers: a caller that keeps one past the next replay clones it.
     """
 
-    def __init__(self, step: Step, example_inputs: Sequence[torch.Tensor], warmup: int = 2, pool=None) -> None:
+    def __init__(self, step: Step, example_inputs: Sequence[torch.Tensor], warmup: int = 3, pool=None) -> None:
         self.inputs = [x.clone() for x in example_inputs]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -206,6 +206,18 @@ def with_decode_graphs(build: Callable[[], _GraphedStep], step: Step, log: Calla
 
 
 GRAPH_FORMATS = ("torchscript", "eager")  # ONNX Runtime and AOTInductor launch outside torch's capture
+
+
+def static_torchscript() -> None:
+    """Turn off TorchScript's GPU fusers in this process, before capturing TorchScript steps.
+
+    The profiling executor compiles a fused kernel (NVRTC, module load) on a call that meets a new
+    input shape; inside a capture that call invalidates it (cudaErrorStreamCaptureInvalidated, seen on
+    the H200 through Triton). Unfused, a TorchScript step launches the same aten kernels on every call,
+    and once captured the launches its fusion saved cost nothing.
+    """
+    torch._C._jit_set_texpr_fuser_enabled(False)
+    torch._C._jit_override_can_fuse_on_gpu(False)
 
 
 def graphs_wanted(params: dict[str, str], device: torch.device, world_size: int) -> bool:
