@@ -5,9 +5,12 @@
 #
 # Run from the repository root. Stages, each under its own time limit; a stage that fails or runs out
 # of time is logged and the others still run:
-#   export      triton-mtp export of the checkpoint into a model repository (BENCH_FORMAT, default torchscript)
-#   capture     bench/capture_check.py: whether the served decode graphs capture over the TorchScript artifacts
-#               outside Triton, per JIT setting, and their batch-1 call time (on a GPU)
+#   export      triton-mtp export of the checkpoint into a model repository (BENCH_FORMAT; on a GPU eager
+#               --no-compile: eager modules whose decode calls the served models replay from CUDA graphs;
+#               on CPU torchscript)
+#   capture     bench/capture_check.py (on a GPU): whether the served decode graphs capture over the exported
+#               artifacts outside Triton, and their batch-1 call time; TorchScript artifacts are exported
+#               for it too (stage export_torchscript) when the served format is another
 #   triton      bench/triton_bench.py against an embedded tritonserver: batch 1 plain and k=1..4, then the
 #               concurrency sweep for plain and the best k
 #   standalone  bench/standalone.py: the same checkpoint in one process, steps as captured CUDA graphs,
@@ -90,7 +93,7 @@ stub_path_off() { [ -n "$pth" ] && rm -f "$pth"; pth=""; }
 
 # ---- sizes -----------------------------------------------------------------------------------------
 if [ "${BENCH_SMOKE:-0}" = 1 ]; then
-    device=cpu dtype=fp32 graphs=eager deadline=3000 prompts=2 prompt_tokens=16 max_tokens=16 drafts=1,2 streams=1,2
+    device=cpu dtype=fp32 graphs=eager default_format=torchscript deadline=3000 prompts=2 prompt_tokens=16 max_tokens=16 drafts=1,2 streams=1,2
     hf_prompts=1 warmup=1 limit=400 realistic_args=(--layers 2 --hidden 128 --experts 8 --vocab 512 --context 32 --repeats 3
                                             --copy-bytes 4000000 --graphs eager)
     if [ -z "$checkpoint" ]; then
@@ -99,10 +102,13 @@ if [ "${BENCH_SMOKE:-0}" = 1 ]; then
 from triton_mtp.export.synthetic import write_checkpoint; write_checkpoint('$checkpoint', tiny_config())" >>"$log" 2>&1
     fi
 else
-    device=cuda dtype=bf16 graphs=cudagraph prompts=8 prompt_tokens=128 max_tokens=128 drafts=1,2,3,4
+    device=cuda dtype=bf16 graphs=cudagraph default_format=eager prompts=8 prompt_tokens=128 max_tokens=128 drafts=1,2,3,4
     streams=1,2,4,8,16,32,64 hf_prompts=4 warmup=1 limit=0 realistic_args=(--layers "${BENCH_REALISTIC_LAYERS:-27}" --context 512)
 fi
 checkpoint=${checkpoint:-$repo/models/tiny-dsv3-mtp}
+format=${BENCH_FORMAT:-$default_format}
+format_args=()
+[ "$format" = eager ] && format_args=(--no-compile)  # eager modules, decode steps replayed from CUDA graphs
 max_draft=${drafts##*,}
 max_seq_len=$((prompt_tokens + max_tokens + max_draft + 1))
 common=(--checkpoint "$checkpoint" --prompts "$prompts" --prompt-tokens "$prompt_tokens" --max-tokens "$max_tokens")
@@ -138,12 +144,18 @@ say "checkpoint $checkpoint, device $device, dtype $dtype, max_seq_len $max_seq_
 repository=${BENCH_REPOSITORY:-$work/repository}
 if [ -z "${BENCH_REPOSITORY:-}" ]; then
     stage export "${BENCH_EXPORT_S:-90}" python -m triton_mtp.cli export --checkpoint "$checkpoint" \
-        --repository "$repository" --format "${BENCH_FORMAT:-torchscript}" --device "$device" --dtype "$dtype" \
+        --repository "$repository" --format "$format" "${format_args[@]}" --device "$device" --dtype "$dtype" \
         --max-slots 64 --max-seq-len "$max_seq_len" --max-draft-tokens "$max_draft" --max-queue-size 256
 fi
-if [ -d "$repository/spec_decode" ] && [ "$device" = cuda ] && [ "${BENCH_FORMAT:-torchscript}" = torchscript ]; then
-    stage capture "${BENCH_CAPTURE_S:-90}" python -m bench.capture_check --repository "$repository" \
-        --out "$stages/capture.json" --max-slots 64 --max-draft-tokens "$max_draft"
+if [ -d "$repository/spec_decode" ] && [ "$device" = cuda ]; then
+    captured=(--repository "$repository")
+    if [ "$format" != torchscript ]; then  # TorchScript artifacts too, for their capture check
+        stage export_torchscript "${BENCH_EXPORT_S:-90}" python -m triton_mtp.cli export --checkpoint "$checkpoint" \
+            --repository "$work/torchscript" --format torchscript --device "$device" --dtype "$dtype" --max-slots 64 \
+            --max-seq-len "$max_seq_len" --max-draft-tokens "$max_draft" && captured+=(--repository "$work/torchscript")
+    fi
+    stage capture "${BENCH_CAPTURE_S:-90}" python -m bench.capture_check "${captured[@]}" --out "$stages/capture.json" \
+        --max-slots 64 --max-draft-tokens "$max_draft"
 fi
 if [ -d "$repository/spec_decode" ]; then
     stub_path_on

@@ -168,16 +168,17 @@ def markdown(results: dict[str, Any], targets: dict[str, float | None]) -> str:
             for streams, r in levels.items():
                 lines.append(f"| {name} | {streams} | {_fmt(r['tokens_per_s'], 1)} | {_fmt(r['itl']['p50_ms'])} "
                              f"| {_fmt(r['itl']['p99_ms'])} | {_fmt(r['ttft']['p50_ms'])} | {_fmt(r['hops_per_token'])} |")
-    capture = results.get("capture", {}).get("variants", {})
+    capture = results.get("capture", {}).get("repositories", {})
     if capture:
         lines += ["", "## Decode graphs over the exported artifacts, outside Triton (bench/capture_check.py)", "",
-                  "| variant | model | captured | eager ms (batch 1) | graphed ms (batch 1) | error |", "|---|---|---|---|---|---|"]
-        for variant, models in capture.items():
-            if "exit" in models:  # the variant's process failed before it could report
-                models = {"-": {"error": models["stderr"][-200:]}}
+                  "| format | model | host sync in a call | captured | eager ms (batch 1) | graphed ms (batch 1) | error |",
+                  "|---|---|---|---|---|---|---|"]
+        for found in capture.values():
+            models = {m: found[m] for m in ("target", "mtp") if m in found} or {"-": {"error": found.get("stderr", "")[-200:]}}
             for model, r in models.items():
-                lines.append(f"| {variant} | {model} | {r.get('captured', False)} | {_fmt(r.get('eager_ms'), 3)} "
-                             f"| {_fmt(r.get('graphed_ms'), 3)} | {' '.join(r.get('error', '').split())[:200]} |")
+                lines.append(f"| {found['format']} | {model} | {r.get('host_sync') or 'none'} | {r.get('captured', False)} "
+                             f"| {_fmt(r.get('eager_ms'), 3)} | {_fmt(r.get('graphed_ms'), 3)} "
+                             f"| {' '.join(r.get('error', '').split())[:200]} |")
     realistic = results.get("realistic")
     if realistic:
         lines += ["", f"## Realistic configuration ({realistic['layers']} layers, hidden {realistic['hidden_size']}, "

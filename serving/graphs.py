@@ -208,18 +208,6 @@ def with_decode_graphs(build: Callable[[], _GraphedStep], step: Step, log: Calla
 GRAPH_FORMATS = ("torchscript", "eager")  # ONNX Runtime and AOTInductor launch outside torch's capture
 
 
-def static_torchscript() -> None:
-    """Turn off TorchScript's GPU fusers in this process, before capturing TorchScript steps.
-
-    The profiling executor compiles a fused kernel (NVRTC, module load) on a call that meets a new
-    input shape; inside a capture that call invalidates it (cudaErrorStreamCaptureInvalidated, seen on
-    the H200 through Triton). Unfused, a TorchScript step launches the same aten kernels on every call,
-    and once captured the launches its fusion saved cost nothing.
-    """
-    torch._C._jit_set_texpr_fuser_enabled(False)
-    torch._C._jit_override_can_fuse_on_gpu(False)
-
-
 def graphs_wanted(params: dict[str, str], device: torch.device, world_size: int) -> bool:
     """Whether a `target` / `mtp` model captures decode graphs: config parameter `cuda_graphs` true (the
     export writes it; a repository from before it has none and runs eager) on a CUDA device, a format

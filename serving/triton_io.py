@@ -174,8 +174,6 @@ def load_model_step(args: dict, params: dict[str, str], device: torch.device,
     runner = parallel.load_parallel_step(artifact_dir(args), params["format"], device, world_size)
     if not graphs.graphs_wanted(params, device, world_size):
         return runner, runner
-    if params["format"] == "torchscript":
-        graphs.static_torchscript()
     return runner, graphs.with_decode_graphs(lambda: graphed(runner), runner, log)
 
 
