@@ -84,6 +84,8 @@ def test_smoke_run_through_triton_accepts_every_perfect_draft(smoke_run):
     triton = json.loads((smoke_run / "results.json").read_text())["triton"]
     plain = triton["batch1"]["0"]
     assert plain["output_tokens"] == 2 * 16 and plain["hops_per_token"] == 1.0
+    assert plain["models"]["mtp"]["calls"] == 0 and plain["models"]["target"]["calls"] == 32  # a prefill + 15 steps each
+    assert 0 < plain["models"]["target"]["compute_ms"] <= plain["models"]["target"]["request_ms"]
     for k in (1, 2):
         run = triton["batch1"][str(k)]
         assert run["output_tokens"] == 2 * 16
