@@ -28,6 +28,7 @@
 # serving/server.py looks) and wheels/ (tritonclient, python-rapidjson, numpy 1.26.4; into --target dirs). The Python backend stub sees neither PYTHONPATH nor numpy < 2, so while the triton stage
 # runs a .pth file in this interpreter's site-packages puts numpy 1.26 and the shim first on its path.
 #
+# BENCH_SKIP="STAGE ...": leave those stages out (their results then come from an earlier run).
 # BENCH_SMOKE=1: tiny sizes on CPU (fp32, eager, 2 prompts of 16 tokens, k=1,2, streams 1,2; a synthetic
 # checkpoint when none is given) so the whole script is known to run. BENCH_REPOSITORY=<dir> serves an
 # existing repository instead of exporting. BENCH_FORMAT picks the export format.
@@ -117,6 +118,10 @@ common=(--checkpoint "$checkpoint" --prompts "$prompts" --prompt-tokens "$prompt
 stage() {  # stage NAME SECONDS CMD...: run under a time limit (cut to what the deadline leaves), log, report
     local name=$1 seconds=$2
     shift 2
+    if [[ " ${BENCH_SKIP:-} " == *" $name "* ]]; then
+        say "stage $name skipped: in BENCH_SKIP"
+        return 1
+    fi
     [ "$limit" -gt 0 ] && seconds=$limit
     local left=$((deadline - SECONDS - 30))
     [ "$seconds" -gt "$left" ] && seconds=$left
