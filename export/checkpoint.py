@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
-from transformers.initialization import no_init_weights
+from transformers.initialization import TORCH_INIT_FUNCTIONS
 
 from triton_mtp.export.config import ModelConfig
 from triton_mtp.export.errors import CheckpointError
@@ -89,7 +89,7 @@ def load_checkpoint(
     duplicates = _check_names(root, config, tensors, shapes)
     _check_shapes(tensors, shapes, block)
 
-    with _default_dtype(dtype), torch.device(device), no_init_weights():
+    with _default_dtype(dtype), torch.device(device), _no_init_weights():
         target, mtp = _build(config, max_slots, max_seq_len)
     params = target.state_dict(keep_vars=True)
     if mtp is not None:
@@ -99,6 +99,21 @@ def load_checkpoint(
         if module is not None:
             module.eval().requires_grad_(False)
     return config, target, mtp
+
+
+@contextlib.contextmanager
+def _no_init_weights() -> Iterator[None]:
+    """torch.nn.init's functions do nothing while the modules are built: the checkpoint overwrites every
+    parameter. transformers' `no_init_weights` does this too, but importing its PreTrainedModel pulls in
+    scipy and the rest of modeling_utils, seconds at every model load in a Triton backend stub."""
+    originals = {name: getattr(torch.nn.init, name) for name in TORCH_INIT_FUNCTIONS if hasattr(torch.nn.init, name)}
+    for name in originals:
+        setattr(torch.nn.init, name, lambda *args, **kwargs: None)
+    try:
+        yield
+    finally:
+        for name, function in originals.items():
+            setattr(torch.nn.init, name, function)
 
 
 def _stream(
