@@ -8,6 +8,10 @@ import sys
 from triton_mtp.export.graphs import DTYPES, FORMATS
 from triton_mtp.export.repository import DEVICES, write_repository
 
+# On cuda the eager format's modules replay their decode calls from CUDA graphs (serving/graphs.py);
+# TorchScript steps cannot be captured. On cpu there are no graphs and TorchScript needs no checkpoint.
+DEFAULT_FORMATS = {"cpu": "torchscript", "cuda": "eager"}
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -18,7 +22,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--checkpoint", required=True, metavar="DIR", help="config.json + *.safetensors (+ tokenizer.json)")
     parser.add_argument("--repository", required=True, metavar="DIR", help="model repository to write")
-    parser.add_argument("--format", choices=FORMATS, default="torchscript", help="artifact format (default: torchscript)")
+    parser.add_argument("--format", choices=FORMATS,
+                        help="artifact format (default: eager on cuda, whose decode calls replay CUDA graphs; "
+                        "torchscript on cpu)")
     parser.add_argument("--device", choices=DEVICES, default="cpu", help="device the models run on (default: cpu)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="weight dtype (default: fp32)")
     parser.add_argument("--max-slots", type=_at_least(1), default=4, metavar="N",
@@ -40,9 +46,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--request-timeout", type=float, metavar="SECONDS",
                         help="a request still queued or generating after this fails; 0 = none (default: 600)")
     parser.add_argument("--no-compile", action="store_true",
-                        help="eager format: skip torch.compile when the server loads the model")
+                        help="eager format: skip torch.compile when the server loads the model "
+                        "(a model replaying decode graphs always skips it)")
     parser.add_argument("--no-cuda-graphs", action="store_true",
-                        help="cuda: run every target / mtp call eager instead of replaying captured decode graphs")
+                        help="eager format on cuda: run every target / mtp call from Python instead of replaying "
+                        "captured decode graphs")
     parser.add_argument("--tensor-parallel", type=_at_least(1), default=1, metavar="N",
                         help="eager format: shard the target and MTP over N ranks, one per GPU (default: 1)")
     parser.set_defaults(func=run)
@@ -51,7 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         manifest = write_repository(
-            args.checkpoint, args.repository, fmt=args.format, device=args.device, dtype=args.dtype,
+            args.checkpoint, args.repository, fmt=args.format or DEFAULT_FORMATS[args.device], device=args.device, dtype=args.dtype,
             max_slots=args.max_slots, max_seq_len=args.max_seq_len, max_draft_tokens=args.max_draft_tokens,
             default_num_draft_tokens=args.default_num_draft_tokens, max_queue_size=args.max_queue_size,
             request_limits={"max_prompt_bytes": args.max_prompt_bytes, "max_prompt_tokens": args.max_prompt_tokens,

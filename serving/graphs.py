@@ -205,13 +205,16 @@ def with_decode_graphs(build: Callable[[], _GraphedStep], step: Step, log: Calla
     return graphed
 
 
-GRAPH_FORMATS = ("torchscript", "eager")  # ONNX Runtime and AOTInductor launch outside torch's capture
+# Only the eager format's modules capture. A TorchScript step makes a synchronizing CUDA call (found with
+# torch.cuda.set_sync_debug_mode("error") on the H200, bench/capture_check.py), which invalidates any
+# capture; ONNX Runtime and AOTInductor launch outside torch's capture.
+GRAPH_FORMATS = ("eager",)
 
 
 def graphs_wanted(params: dict[str, str], device: torch.device, world_size: int) -> bool:
     """Whether a `target` / `mtp` model captures decode graphs: config parameter `cuda_graphs` true (the
-    export writes it; a repository from before it has none and runs eager) on a CUDA device, a format
-    torch can capture, one rank."""
+    export writes it; a repository from before it has none and runs eager) on a CUDA device, the eager
+    format, one rank."""
     value = params.get("cuda_graphs", "false")
     if value not in ("true", "false"):
         raise ValueError(f"config.pbtxt: parameter 'cuda_graphs' must be true or false, got {value!r}")

@@ -171,8 +171,11 @@ def load_model_step(args: dict, params: dict[str, str], device: torch.device,
     `tensor_parallel_size` ranks, and the step the worker calls, `graphed(runner)` when the model
     captures decode graphs (falling back to the runner, with a log line, if that fails)."""
     world_size = parallel.tensor_parallel_size(params, device)
-    runner = parallel.load_parallel_step(artifact_dir(args), params["format"], device, world_size)
-    if not graphs.graphs_wanted(params, device, world_size):
+    wanted = graphs.graphs_wanted(params, device, world_size)
+    # graphed, the decode calls launch nothing from Python: torch.compile would only slow the load
+    runner = parallel.load_parallel_step(artifact_dir(args), params["format"], device, world_size,
+                                         compile=False if wanted else None)
+    if not wanted:
         return runner, runner
     return runner, graphs.with_decode_graphs(lambda: graphed(runner), runner, log)
 

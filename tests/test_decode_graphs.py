@@ -146,12 +146,12 @@ def test_a_graph_that_disagrees_with_eager_falls_back_to_the_step(twins):
 def test_graphs_are_wanted_on_cuda_for_capturable_formats_only():
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     on = {"cuda_graphs": "true"}
-    assert graphs_wanted({"format": "torchscript", **on}, cuda, 1)
+    assert not graphs_wanted({"format": "torchscript", **on}, cuda, 1)  # its steps synchronize with the host
     assert graphs_wanted({"format": "eager", **on}, cuda, 1)
-    assert not graphs_wanted({"format": "torchscript", "cuda_graphs": "false"}, cuda, 1)
-    assert not graphs_wanted({"format": "torchscript"}, cuda, 1)  # a repository from before the parameter
+    assert not graphs_wanted({"format": "eager", "cuda_graphs": "false"}, cuda, 1)
+    assert not graphs_wanted({"format": "eager"}, cuda, 1)  # a repository from before the parameter
     assert not graphs_wanted({"format": "onnx", **on}, cuda, 1)
-    assert not graphs_wanted({"format": "torchscript", **on}, cpu, 1)
+    assert not graphs_wanted({"format": "eager", **on}, cpu, 1)
     assert not graphs_wanted({"format": "eager", **on}, cuda, 2)
     with pytest.raises(ValueError, match="parameter 'cuda_graphs' must be true or false"):
         graphs_wanted({"format": "eager", "cuda_graphs": "yes"}, cuda, 1)

@@ -103,6 +103,9 @@ def test_default_stack_exports_then_serves_the_bundled_model_on_a_gpu(gpu_config
     assert export["environment"]["EXPORT_DEVICE"] == "cuda"
     assert triton["depends_on"] == {"export": {"condition": "service_completed_successfully"}}
     assert "repository:/repository:ro" in triton["volumes"] and "repository:/repository:rw" in export["volumes"]
+    assert export["environment"]["EXPORT_FORMAT"] == ""  # the export's default: eager on cuda
+    for name in ("triton", "triton-replica"):  # the eager format loads its weights from the checkpoint
+        assert (ROOT / "models" / "tiny-dsv3-mtp", "/checkpoint") in bind_mounts(services[name]), name
     assert sorted((p["published"], p["target"]) for p in triton["ports"]) == [(8000, 8000), (8001, 8001), (8002, 8002)]
     assert "/v2/health/ready" in " ".join(triton["healthcheck"]["test"])
     shm = re.fullmatch(r"(\d+)gb", triton["shm_size"])
