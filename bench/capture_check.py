@@ -59,8 +59,8 @@ def _format(repository: Path) -> str:
 def check(repository: Path, max_slots: int, max_draft: int, device: torch.device) -> dict:
     """Per model of one repository: the capture's outcome and batch-1 call times."""
     fmt = _format(repository)
-    target = load_step(repository / "target" / "1", fmt, device)
-    mtp = load_step(repository / "mtp" / "1", fmt, device)
+    target = load_step(repository / "target" / "1", fmt, device, compile=False)  # as a graphed model loads
+    mtp = load_step(repository / "mtp" / "1", fmt, device, compile=False)
     layers = len(mtp.graphs)
     one = torch.ones(1, 1, dtype=torch.long, device=device)  # [1, 1]
     slot = torch.zeros(1, dtype=torch.long, device=device)  # [1]

@@ -151,3 +151,21 @@ def test_v2_lite_floor_counts_the_published_parameters_per_step():
         target = DeepseekV3Target(config, max_slots=1, max_seq_len=16).to(torch.bfloat16)
     assert abs(bytes_touched(config, target, selected=True) / 2 / 1e9 - 2.45) < 0.01
     assert bytes_touched(config, target, selected=False) / 2 / 1e9 > 15
+
+
+def test_capture_check_reports_each_model_of_a_repository(tmp_path):
+    """On CPU nothing captures; the check still loads the format's steps, times them and says why."""
+    from triton_mtp.export.repository import write_repository
+
+    checkpoint = write_checkpoint(tmp_path / "checkpoint", tiny_config(), seed=0)
+    write_repository(checkpoint, tmp_path / "repo", fmt="eager", max_slots=2, max_seq_len=32, max_draft_tokens=2,
+                     eager_compile=False)
+    out = tmp_path / "capture.json"
+    done = run_module("bench.capture_check", "--repository", str(tmp_path / "repo"), "--out", str(out),
+                      "--device", "cpu", "--max-slots", "2", "--max-draft-tokens", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (found,) = json.loads(out.read_text())["repositories"].values()
+    assert found["format"] == "eager"
+    for model in ("target", "mtp"):
+        assert found[model]["eager_ms"] > 0 and found[model]["host_sync"] is None
+        assert not found[model]["captured"] and "CUDA" in found[model]["error"], found[model]
