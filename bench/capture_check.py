@@ -1,6 +1,6 @@
 """Whether the served decode graphs capture over exported repositories' artifacts, outside Triton.
 
-For each repository (its `format` read from target/config.pbtxt) and each of `target` and `mtp`: run
+For each repository (format and sizes from its export manifest) and each of `target` and `mtp`: run
 the batch-1 decode call once under `torch.cuda.set_sync_debug_mode("error")` (an op that synchronizes
 with the host, which no capture can hold, raises there, named), build `GraphedTarget` / `GraphedMTP`
 as the served models do, check every graph against eager, and time the batch-1 call graphed and eager.
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import torch
 
 from .common import environment, synchronize
 from triton_mtp.export.graphs import load_step
+from triton_mtp.export.repository import MANIFEST
 from triton_mtp.serving import graphs
 
 
@@ -51,14 +51,14 @@ def _sync_error(step, inputs) -> str | None:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def _format(repository: Path) -> str:
-    config = (repository / "target" / "config.pbtxt").read_text()
-    return re.search(r'key: "format",?\s*value: \{\s*string_value: "(\w+)"', config).group(1)
+def _manifest(repository: Path) -> dict:
+    return json.loads((repository / MANIFEST).read_text())
 
 
-def check(repository: Path, max_slots: int, max_draft: int, device: torch.device) -> dict:
+def check(repository: Path, device: torch.device) -> dict:
     """Per model of one repository: the capture's outcome and batch-1 call times."""
-    fmt = _format(repository)
+    manifest = _manifest(repository)
+    fmt, max_slots, max_draft = manifest["format"], manifest["sizes"]["max_slots"], manifest["sizes"]["max_draft_tokens"]
     target = load_step(repository / "target" / "1", fmt, device, compile=False)  # as a graphed model loads
     mtp = load_step(repository / "mtp" / "1", fmt, device, compile=False)
     layers = len(mtp.graphs)
@@ -89,22 +89,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repository", type=Path, action="append", required=True)
     parser.add_argument("--out", type=Path, help="result JSON file (not with --one)")
-    parser.add_argument("--max-slots", type=int, default=64)
-    parser.add_argument("--max-draft-tokens", type=int, default=4)
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--one", action="store_true", help="check the one repository here and print its JSON")
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(check(args.repository[0], args.max_slots, args.max_draft_tokens, torch.device(args.device))))
+        print(json.dumps(check(args.repository[0], torch.device(args.device))))
         return
     results = {"environment": environment(), "repositories": {}}
     for repository in args.repository:
         done = subprocess.run([sys.executable, "-m", __spec__.name, "--one", "--repository", str(repository),
-                               "--max-slots", str(args.max_slots), "--max-draft-tokens", str(args.max_draft_tokens),
                                "--device", args.device], capture_output=True, text=True)
         lines = done.stdout.strip().splitlines()
         found = json.loads(lines[-1]) if done.returncode == 0 and lines else \
-            {"format": _format(repository), "exit": done.returncode, "stderr": done.stderr[-2000:]}
+            {"format": _manifest(repository)["format"], "exit": done.returncode, "stderr": done.stderr[-2000:]}
         results["repositories"][str(repository)] = found
         print(json.dumps(found), flush=True)
     args.out.write_text(json.dumps(results, indent=1))

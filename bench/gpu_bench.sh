@@ -159,8 +159,7 @@ if [ -d "$repository/spec_decode" ] && [ "$device" = cuda ]; then
             --repository "$work/torchscript" --format torchscript --device "$device" --dtype "$dtype" --max-slots 64 \
             --max-seq-len "$max_seq_len" --max-draft-tokens "$max_draft" && captured+=(--repository "$work/torchscript")
     fi
-    stage capture "${BENCH_CAPTURE_S:-90}" python -m bench.capture_check "${captured[@]}" --out "$stages/capture.json" \
-        --max-slots 64 --max-draft-tokens "$max_draft"
+    stage capture "${BENCH_CAPTURE_S:-90}" python -m bench.capture_check "${captured[@]}" --out "$stages/capture.json"
 fi
 if [ -d "$repository/spec_decode" ]; then
     stub_path_on

@@ -162,7 +162,7 @@ def test_capture_check_reports_each_model_of_a_repository(tmp_path):
                      eager_compile=False)
     out = tmp_path / "capture.json"
     done = run_module("bench.capture_check", "--repository", str(tmp_path / "repo"), "--out", str(out),
-                      "--device", "cpu", "--max-slots", "2", "--max-draft-tokens", "2")
+                      "--device", "cpu")
     assert done.returncode == 0, done.stderr[-3000:]
     (found,) = json.loads(out.read_text())["repositories"].values()
     assert found["format"] == "eager"
