@@ -14,26 +14,16 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from .common import environment, synchronize
+from .common import environment, step_time
 from triton_mtp.export.graphs import load_step
 from triton_mtp.export.repository import MANIFEST
 from triton_mtp.serving import graphs
 
-
-def _call_ms(step, inputs, repeats: int = 200) -> float:
-    for _ in range(3):
-        step(*inputs)
-    synchronize(inputs[0].device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        step(*inputs)
-    synchronize(inputs[0].device)
-    return (time.perf_counter() - start) / repeats * 1e3
+REPEATS = 200  # timed calls per step
 
 
 def _sync_error(step, inputs) -> str | None:
@@ -74,11 +64,11 @@ def check(repository: Path, device: torch.device) -> dict:
     }
     result = {"format": fmt}
     for name, (runner, inputs, build) in builds.items():
-        entry = {"host_sync": _sync_error(runner, inputs), "eager_ms": _call_ms(runner, inputs)}
+        entry = {"host_sync": _sync_error(runner, inputs), "eager_ms": step_time(runner, inputs, device, REPEATS) * 1e3}
         try:
             graphed = build()
             graphed.check_against_eager()
-            entry.update(captured=True, graphed_ms=_call_ms(graphed, inputs))
+            entry.update(captured=True, graphed_ms=step_time(graphed, inputs, device, REPEATS) * 1e3)
         except Exception as exc:  # noqa: BLE001 - the outcome is the measurement
             entry.update(captured=False, error=f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
         result[name] = entry

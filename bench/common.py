@@ -11,6 +11,7 @@ import json
 import platform
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -90,3 +91,15 @@ def write_result(path: str | Path, result: dict[str, Any]) -> None:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def step_time(step, inputs: tuple[torch.Tensor, ...], device: torch.device, repeats: int) -> float:
+    """Mean seconds per call of `step(*inputs)` after warm-up."""
+    for _ in range(3):
+        step(*inputs)
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        step(*inputs)
+    synchronize(device)
+    return (time.perf_counter() - start) / repeats

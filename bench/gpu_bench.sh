@@ -9,8 +9,7 @@
 #               --no-compile: eager modules whose decode calls the served models replay from CUDA graphs;
 #               on CPU torchscript)
 #   capture     bench/capture_check.py (on a GPU): whether the served decode graphs capture over the exported
-#               artifacts outside Triton, and their batch-1 call time; TorchScript artifacts are exported
-#               for it too (stage export_torchscript) when the served format is another
+#               artifacts outside Triton, and their batch-1 call time
 #   triton      bench/triton_bench.py against an embedded tritonserver: batch 1 plain and k=1..4, then the
 #               concurrency sweep for plain and the best k
 #   standalone  bench/standalone.py: the same checkpoint in one process, steps as captured CUDA graphs,
@@ -153,13 +152,8 @@ if [ -z "${BENCH_REPOSITORY:-}" ]; then
         --max-slots 64 --max-seq-len "$max_seq_len" --max-draft-tokens "$max_draft" --max-queue-size 256
 fi
 if [ -d "$repository/spec_decode" ] && [ "$device" = cuda ]; then
-    captured=(--repository "$repository")
-    if [ "$format" != torchscript ]; then  # TorchScript artifacts too, for their capture check
-        stage export_torchscript "${BENCH_EXPORT_S:-90}" python -m triton_mtp.cli export --checkpoint "$checkpoint" \
-            --repository "$work/torchscript" --format torchscript --device "$device" --dtype "$dtype" --max-slots 64 \
-            --max-seq-len "$max_seq_len" --max-draft-tokens "$max_draft" && captured+=(--repository "$work/torchscript")
-    fi
-    stage capture "${BENCH_CAPTURE_S:-90}" python -m bench.capture_check "${captured[@]}" --out "$stages/capture.json"
+    stage capture "${BENCH_CAPTURE_S:-90}" python -m bench.capture_check --repository "$repository" \
+        --out "$stages/capture.json"
 fi
 if [ -d "$repository/spec_decode" ]; then
     stub_path_on

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from .common import environment, synchronize, write_result
+from .common import environment, step_time, synchronize, write_result
 from .graphs import place_rope, wrap_step
 from .moe_decode import grouped_mm_works, use_selected_experts
 from triton_mtp.export.config import ModelConfig
@@ -97,18 +97,6 @@ def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 20) -> floa
         dst.copy_(src)
     synchronize(device)
     return 2 * src.numel() * src.element_size() * repeats / (time.perf_counter() - start)
-
-
-def step_time(step, inputs: tuple[torch.Tensor, ...], device: torch.device, repeats: int) -> float:
-    """Mean seconds per call of `step(*inputs)` after warm-up."""
-    for _ in range(3):
-        step(*inputs)
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        step(*inputs)
-    synchronize(device)
-    return (time.perf_counter() - start) / repeats
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -8,10 +8,6 @@ import sys
 from triton_mtp.export.graphs import DTYPES, FORMATS
 from triton_mtp.export.repository import DEVICES, write_repository
 
-# On cuda the eager format's modules replay their decode calls from CUDA graphs (serving/graphs.py);
-# TorchScript steps cannot be captured. On cpu there are no graphs and TorchScript needs no checkpoint.
-DEFAULT_FORMATS = {"cpu": "torchscript", "cuda": "eager"}
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -59,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         manifest = write_repository(
-            args.checkpoint, args.repository, fmt=args.format or DEFAULT_FORMATS[args.device], device=args.device, dtype=args.dtype,
+            args.checkpoint, args.repository, fmt=args.format, device=args.device, dtype=args.dtype,
             max_slots=args.max_slots, max_seq_len=args.max_seq_len, max_draft_tokens=args.max_draft_tokens,
             default_num_draft_tokens=args.default_num_draft_tokens, max_queue_size=args.max_queue_size,
             request_limits={"max_prompt_bytes": args.max_prompt_bytes, "max_prompt_tokens": args.max_prompt_tokens,

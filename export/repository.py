@@ -33,13 +33,16 @@ from triton_mtp.serving.requests import default_limits
 TEMPLATES = Path(triton_mtp.model_repository.__file__).parent
 MODELS = ("target", "mtp", "spec_decode")
 DEVICES = ("cpu", "cuda")
+# On cuda the eager format's modules replay their decode calls from CUDA graphs (serving/graphs.py);
+# TorchScript steps cannot be captured. On cpu there are no graphs and TorchScript needs no checkpoint.
+DEFAULT_FORMATS = {"cpu": "torchscript", "cuda": "eager"}
 MANIFEST = "export.json"
 
 
 def write_repository(
     checkpoint_dir: str | Path,
     repo_dir: str | Path,
-    fmt: str = "torchscript",
+    fmt: str | None = None,
     device: str = "cpu",
     dtype: str = "fp32",
     max_slots: int = 4,
@@ -56,7 +59,7 @@ def write_repository(
 ) -> dict[str, Any]:
     """Load the checkpoint, export and check its graphs, write the repository; returns the manifest.
 
-    `max_seq_len` defaults to the config's `max_position_embeddings`. `max_draft_tokens` bounds
+    `fmt` defaults to `DEFAULT_FORMATS[device]`. `max_seq_len` defaults to the config's `max_position_embeddings`. `max_draft_tokens` bounds
     the verify window (k + 1 tokens); `default_num_draft_tokens` defaults to the number of MTP
     layers, capped by it. `request_limits` overrides `serving.requests.default_limits` (prompt bytes and
     tokens, max_tokens cap, request timeout). `cuda_graphs` lets the `target` and `mtp` models on CUDA
@@ -64,6 +67,7 @@ def write_repository(
     and `mtp` models shard over that many ranks at load (serving/parallel.py). Existing `target`,
     `mtp`, `spec_decode` folders in `repo_dir` are replaced.
     """
+    fmt = DEFAULT_FORMATS.get(device) if fmt is None else fmt  # an unknown device is reported first
     _check_settings(fmt, device, dtype, max_slots, max_seq_len, max_draft_tokens, max_queue_size)
     checkpoint_dir, repo = Path(checkpoint_dir), Path(repo_dir)
     if not checkpoint_dir.is_dir():
@@ -147,10 +151,10 @@ def _check_settings(
     fmt: str, device: str, dtype: str, max_slots: int, max_seq_len: int | None, max_draft_tokens: int, max_queue_size: int
 ) -> None:
     """One-line ValueError naming the first bad setting."""
-    if fmt not in FORMATS:
-        raise ValueError(f"format: must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if device not in DEVICES:
         raise ValueError(f"device: must be cpu or cuda, got {device!r}")
+    if fmt not in FORMATS:
+        raise ValueError(f"format: must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device: cuda was asked for but this host has no CUDA device")
     if dtype not in DTYPES:

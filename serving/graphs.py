@@ -45,7 +45,7 @@ class CapturedStep(_StaticReplay):
     Outputs live in the graph's static buffers: a caller that keeps one past the next replay clones it.
     """
 
-    def __init__(self, step: Step, example_inputs: Sequence[torch.Tensor], warmup: int = 3, pool=None) -> None:
+    def __init__(self, step: Step, example_inputs: Sequence[torch.Tensor], warmup: int = 2, pool=None) -> None:
         self.inputs = [x.clone() for x in example_inputs]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

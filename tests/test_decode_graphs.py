@@ -80,16 +80,19 @@ def test_graphed_mtp_equals_the_step_per_layer(twins):
                 torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
 
 
-def test_graphed_torchscript_runners_equal_the_plain_runners(twins, tmp_path):
-    """The served path: `load_step` runners (TorchScript, their own KV pools) behind the wrappers."""
+def test_graphed_eager_format_runners_equal_the_plain_runners(twins, drafting_checkpoint, tmp_path):
+    """The served path: `load_step` runners (eager format, uncompiled, their own KV pools) behind the wrappers."""
     (config, target, mtp), _ = twins
-    export_graphs(target, mtp, tmp_path, "torchscript")
-    plain_target, plain_mtp = load_step(tmp_path / "target.pt", "torchscript"), load_step(tmp_path / "mtp_0.pt", "torchscript")
+    export_graphs(target, mtp, tmp_path, "eager", checkpoint_dir=drafting_checkpoint, dtype="fp32", eager_compile=False)
+
+    def runner(name: str):
+        return load_step(tmp_path / f"{name}.json", "eager")
+
+    plain_target, plain_mtp = runner("target"), runner("mtp_0")
     cpu = torch.device("cpu")
-    graphed_target = GraphedTarget(load_step(tmp_path / "target.pt", "torchscript"), MAX_SLOTS, WIDTH, cpu,
-                                   graph=EagerReplay)
-    graphed_mtp = GraphedMTP(load_step(tmp_path / "mtp_0.pt", "torchscript"), config.num_nextn_predict_layers,
-                             MAX_SLOTS, WIDTH, config.hidden_size, torch.float32, cpu, graph=EagerReplay)
+    graphed_target = GraphedTarget(runner("target"), MAX_SLOTS, WIDTH, cpu, graph=EagerReplay)
+    graphed_mtp = GraphedMTP(runner("mtp_0"), config.num_nextn_predict_layers, MAX_SLOTS, WIDTH, config.hidden_size,
+                             torch.float32, cpu, graph=EagerReplay)
     gen = torch.Generator().manual_seed(2)
     for rows in ([(0, 0, 6), (4, 0, 8)], [(0, 6, 3), (4, 8, 1)], [(0, 9, 2), (1, 0, 1), (4, 9, 4)]):
         inputs = _window(rows, config.vocab_size, gen)

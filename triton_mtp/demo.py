@@ -38,7 +38,7 @@ def repository_for(checkpoint: Path, repository: Path, device: str) -> Path:
                 str(checkpoint.resolve()), device, torch.__version__):
             return repository
     print(f"exporting {checkpoint} to {repository} ({device})", flush=True)
-    write_repository(checkpoint, repository, fmt="torchscript", device=device,
+    write_repository(checkpoint, repository, device=device,
                      dtype="bf16" if device == "cuda" else "fp32", max_slots=4, max_seq_len=MAX_SEQ_LEN,
                      progress=True, log=lambda line: None)
     return repository
