@@ -8,16 +8,22 @@ captured graphs.
 
     python -m bench.engine_overhead --checkpoint models/tiny-dsv3-mtp [--device cpu --prompts 4 \\
         --prompt-tokens 64 --max-tokens 64 --draft-tokens 0,3 --out overhead.json]
+
+--graphs (CUDA) wraps the model calls in the decode graphs the served models replay
+(`serving.graphs.GraphedTarget` / `GraphedMTP`); --profile FILE writes torch.profiler's table of the
+ops of the last k's run, by self CPU time: what the host spends per step besides the replays.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from pathlib import Path
 
 import torch
 
 from triton_mtp.export.checkpoint import load_checkpoint
+from triton_mtp.serving import graphs
 from triton_mtp.serving.requests import EngineLimits, GenerationRequest, TokenizerFile, default_limits
 from triton_mtp.serving.scheduler import Scheduler
 from triton_mtp.serving.workers import DraftWorker, InProcessHops, TargetWorker
@@ -52,24 +58,35 @@ def run(args: argparse.Namespace) -> dict:
     limits = EngineLimits(max_slots=len(prompts), max_seq_len=max_seq_len, vocab_size=config.vocab_size,
                           max_draft_tokens=max(draft_counts), default_num_draft_tokens=0, eos_token_id=-1,
                           max_queue_size=len(prompts), **default_limits(max_seq_len))
-    timed_target, timed_mtp = TimedStep(target, device), TimedStep(mtp, device)
+    dtype, layers = target.lm_head.weight.dtype, config.num_nextn_predict_layers
+    target_step, mtp_step = target, mtp
+    if args.graphs:  # as the served models wrap their steps
+        target_step = graphs.GraphedTarget(target, len(prompts), max(draft_counts) + 1, device)
+        mtp_step = graphs.GraphedMTP(mtp, layers, len(prompts), max(draft_counts) + layers, config.hidden_size, dtype,
+                                     device)
+    timed_target, timed_mtp = TimedStep(target_step, device), TimedStep(mtp_step, device)
     hops = InProcessHops(TargetWorker(timed_target, len(prompts), device),
-                         DraftWorker(timed_mtp, config.num_nextn_predict_layers, len(prompts), device, target.lm_head.weight.dtype))
+                         DraftWorker(timed_mtp, layers, len(prompts), device, dtype))
     results = {"benchmark": "engine_overhead", "device": str(device), "dtype": args.dtype, "prompts": len(prompts),
-               "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "environment": environment(),
-               "runs": {}}
+               "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "graphs": args.graphs,
+               "environment": environment(), "runs": {}}
     handle = _Drop()
     for k in draft_counts:
+        profiler = torch.profiler.profile() if args.profile and k == draft_counts[-1] else contextlib.nullcontext()
         engine = Scheduler(hops, limits)
         for prompt in prompts:
             engine.submit(GenerationRequest(input_ids=prompt, max_tokens=args.max_tokens, num_draft_tokens=k), handle)
         timed_target.seconds = timed_mtp.seconds = 0.0
         steps, start = 0, time.perf_counter()
-        while not engine.idle:
-            engine.step()
-            steps += 1
-        synchronize(device)
+        with profiler:
+            while not engine.idle:
+                engine.step()
+                steps += 1
+            synchronize(device)
         total = time.perf_counter() - start
+        if args.profile and k == draft_counts[-1]:
+            table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+            Path(args.profile).write_text(f"k={k}, {steps} steps (times include the profiler's own cost)\n{table}\n")
         if handle.errors:
             raise RuntimeError(f"k={k}: {handle.errors[0]}")
         model = timed_target.seconds + timed_mtp.seconds
@@ -109,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--draft-tokens", default="0,3", help="comma-separated k values (0 = plain)")
+    parser.add_argument("--graphs", action="store_true", help="replay the model calls from decode graphs (CUDA)")
+    parser.add_argument("--profile", help="write the op table of the last k's run to this file")
     parser.add_argument("--out", help="result JSON file")
     run(parser.parse_args(argv))
     return 0

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from triton_mtp.export.graphs import DTYPES, FORMATS
-from triton_mtp.export.repository import DEVICES, write_repository
+from triton_mtp.export.repository import DEVICES, HOPS, write_repository
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -49,6 +49,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "captured decode graphs")
     parser.add_argument("--tensor-parallel", type=_at_least(1), default=1, metavar="N",
                         help="eager format: shard the target and MTP over N ranks, one per GPU (default: 1)")
+    parser.add_argument("--hops", choices=HOPS, default="bls",
+                        help="bls: spec_decode calls the target and mtp models (default); local: spec_decode runs "
+                        "them in its own process, no hop per call (one GPU, the repository has spec_decode only)")
     parser.set_defaults(func=run)
 
 
@@ -61,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
             request_limits={"max_prompt_bytes": args.max_prompt_bytes, "max_prompt_tokens": args.max_prompt_tokens,
                             "max_output_tokens": args.max_output_tokens, "request_timeout_s": args.request_timeout},
             eager_compile=not args.no_compile, cuda_graphs=not args.no_cuda_graphs, tensor_parallel=args.tensor_parallel,
+            hops=args.hops,
         )
     except (ValueError, OSError) as exc:
         print(f"triton-mtp export: error: {' '.join(str(exc).split())}", file=sys.stderr)

@@ -5,6 +5,9 @@
     <repo>/spec_decode/config.pbtxt, 1/model.py, 1/tokenizer.json (when the checkpoint has one)
     <repo>/export.json
 
+With hops "local" the engine runs the workers in its own process: only `spec_decode` is written, and
+the artifacts go to spec_decode/1/target/ and spec_decode/1/mtp/.
+
 The configs are the templates of `triton_mtp.model_repository` rendered with
 `string.Template.substitute`; the adapters are copied. Every artifact passes the parity check
 against eager before anything is rendered; a failing one leaves no model behind.
@@ -37,6 +40,7 @@ DEVICES = ("cpu", "cuda")
 # TorchScript steps cannot be captured. On cpu there are no graphs and TorchScript needs no checkpoint.
 DEFAULT_FORMATS = {"cpu": "torchscript", "cuda": "eager"}
 MANIFEST = "export.json"
+HOPS = ("bls", "local")
 
 
 def write_repository(
@@ -54,6 +58,7 @@ def write_repository(
     eager_compile: bool = True,
     cuda_graphs: bool = True,
     tensor_parallel: int = 1,
+    hops: str = "bls",
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
@@ -65,13 +70,19 @@ def write_repository(
     tokens, max_tokens cap, request timeout). `cuda_graphs` lets the `target` and `mtp` models on CUDA
     replay decode-time calls from captured graphs (serving/graphs.py). `tensor_parallel` > 1 (eager format) makes the `target`
     and `mtp` models shard over that many ranks at load (serving/parallel.py). Existing `target`,
-    `mtp`, `spec_decode` folders in `repo_dir` are replaced.
+    `mtp`, `spec_decode` folders in `repo_dir` are replaced. `hops` "local" makes `spec_decode` run the
+    target and MTP workers in its own process instead of calling the `target` and `mtp` models (no BLS
+    hop per call; one rank only), and writes `spec_decode` alone.
     """
     fmt = DEFAULT_FORMATS.get(device) if fmt is None else fmt  # an unknown device is reported first
     _check_settings(fmt, device, dtype, max_slots, max_seq_len, max_draft_tokens, max_queue_size)
     checkpoint_dir, repo = Path(checkpoint_dir), Path(repo_dir)
     if not checkpoint_dir.is_dir():
         raise FileNotFoundError(f"checkpoint: {checkpoint_dir} is not a directory")
+    if hops not in HOPS:
+        raise ValueError(f"hops: must be one of {', '.join(HOPS)}, got {hops!r}")
+    if hops == "local" and tensor_parallel > 1:
+        raise ValueError(f"--hops local: runs one rank in spec_decode's process, got --tensor-parallel {tensor_parallel}")
     if tensor_parallel > 1 and fmt != "eager":
         raise ValueError(f"--tensor-parallel {tensor_parallel}: needs --format eager (shards are cut at load), got {fmt}")
     check_tensor_parallel(ModelConfig.from_checkpoint(checkpoint_dir), tensor_parallel)
@@ -90,10 +101,12 @@ def write_repository(
     for name in MODELS:
         shutil.rmtree(repo / name, ignore_errors=True)
     (repo / MANIFEST).unlink(missing_ok=True)
+    artifact_dirs = {"bls": (repo / "target" / "1", repo / "mtp" / "1"),
+                     "local": (repo / "spec_decode" / "1" / "target", repo / "spec_decode" / "1" / "mtp")}[hops]
     try:
         with tqdm(total=1 + num_mtp_layers, desc=f"exporting {fmt}", unit="graph", disable=not progress) as bar:
             artifacts = export_graphs(
-                target, mtp, repo / "target" / "1", fmt, mtp_dir=repo / "mtp" / "1",
+                target, mtp, artifact_dirs[0], fmt, mtp_dir=artifact_dirs[1],
                 checkpoint_dir=checkpoint_dir, dtype=dtype, eager_compile=eager_compile,
                 on_saved=lambda name: bar.update(1),
             )
@@ -105,6 +118,7 @@ def write_repository(
 
     values = {
         "kind": ("KIND_MODEL" if tensor_parallel > 1 else "KIND_GPU") if device == "cuda" else "KIND_CPU",
+        "hops": hops,
         "format": fmt,
         "device": device,
         "dtype": dtype,
@@ -121,8 +135,9 @@ def write_repository(
         "cuda_graphs": "true" if cuda_graphs else "false",
         **_request_limits(max_seq_len, request_limits or {}),
     }
+    values["spec_decode_kind"] = values["kind"] if hops == "local" else "KIND_CPU"  # a BLS engine holds no weights
     for name in MODELS:
-        if name == "mtp" and mtp is None:
+        if (name == "mtp" and mtp is None) or (hops == "local" and name != "spec_decode"):
             continue
         _install_model(name, repo, values)
     tokenizer = checkpoint_dir / "tokenizer.json"
@@ -135,6 +150,7 @@ def write_repository(
         "dtype": dtype,
         "device": device,
         "tensor_parallel_size": tensor_parallel,
+        "hops": hops,
         "checkpoint": str(checkpoint_dir.resolve()),
         "torch_version": torch.__version__,
         "sizes": {k: values[k] for k in ("max_slots", "max_seq_len", "max_draft_tokens", "default_num_draft_tokens",

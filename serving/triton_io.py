@@ -17,7 +17,9 @@ from triton_mtp.serving.metrics import COUNTERS, GAUGES
 from triton_mtp.serving.requests import (
     EngineLimits, GenerationResponse, QueueFull, RequestError, Tokenizer, int_parameter, parse_request,
 )
-from triton_mtp.serving.workers import DraftBatch, DraftResult, TargetBatch, TargetResult
+from triton_mtp.serving.workers import (
+    DraftBatch, DraftResult, DraftWorker, InProcessHops, TargetBatch, TargetResult, TargetWorker,
+)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -165,19 +167,74 @@ def log(message: str) -> None:
     pb_utils.Logger.log_info(message)
 
 
-def load_model_step(args: dict, params: dict[str, str], device: torch.device,
+def load_model_step(directory: Path, params: dict[str, str], device: torch.device,
                     graphed: Callable[[Callable], graphs.Step]) -> tuple[Callable, Callable]:
-    """(runner, step) of a `target` / `mtp` model: the exported graphs, sharded over
+    """(runner, step) of a `target` / `mtp` model: the exported graphs in `directory`, sharded over
     `tensor_parallel_size` ranks, and the step the worker calls, `graphed(runner)` when the model
     captures decode graphs (falling back to the runner, with a log line, if that fails)."""
     world_size = parallel.tensor_parallel_size(params, device)
     wanted = graphs.graphs_wanted(params, device, world_size)
     # graphed, the decode calls launch nothing from Python: torch.compile would only slow the load
-    runner = parallel.load_parallel_step(artifact_dir(args), params["format"], device, world_size,
+    runner = parallel.load_parallel_step(directory, params["format"], device, world_size,
                                          compile=False if wanted else None)
     if not wanted:
         return runner, runner
     return runner, graphs.with_decode_graphs(lambda: graphed(runner), runner, log)
+
+
+def target_worker(directory: Path, params: dict[str, str], device: torch.device,
+                  max_slots: int) -> tuple[Callable, TargetWorker]:
+    """(runner, worker) of the target artifacts in `directory`, as the `target` model serves them."""
+
+    def graphed(runner):
+        width = int_parameter(params, "max_draft_tokens", 1) + 1  # the verify window
+        return graphs.GraphedTarget(runner, max_slots, width, device)
+
+    runner, step = load_model_step(directory, params, device, graphed)
+    return runner, TargetWorker(step, max_slots, device)
+
+
+def draft_worker(directory: Path, params: dict[str, str], device: torch.device, dtype: torch.dtype,
+                 max_slots: int) -> tuple[Callable, DraftWorker]:
+    """(runner, worker) of the MTP artifacts in `directory`, as the `mtp` model serves them."""
+    num_layers = int_parameter(params, "num_mtp_layers", 1)
+
+    def graphed(runner):
+        # the widest decode call: k + 1 absorbed pairs, then up to num_layers - 1 chained drafts
+        width = int_parameter(params, "max_draft_tokens", 1) + num_layers
+        hidden_size = int_parameter(params, "hidden_size", 1)
+        return graphs.GraphedMTP(runner, num_layers, max_slots, width, hidden_size, dtype, device)
+
+    runner, step = load_model_step(directory, params, device, graphed)
+    return runner, DraftWorker(step, num_layers, max_slots, device, dtype)
+
+
+HOPS = ("bls", "local")
+
+
+def engine_hops(args: dict, params: dict[str, str]) -> tuple[object, list[Callable]]:
+    """(hops, runners) of `spec_decode`: BLS calls into the `target` and `mtp` models, or, with parameter
+    `hops` local, the workers themselves in this process over the artifacts in `1/target` and `1/mtp`
+    (no process hop, no tensors through shared memory)."""
+    mode = params.get("hops", "bls")
+    if mode not in HOPS:
+        raise ValueError(f"config.pbtxt: parameter 'hops' must be one of {', '.join(HOPS)}, got {mode!r}")
+    if mode == "bls":
+        return BlsHops(), []
+    params, device, dtype, max_slots = step_model_settings(args)
+    runners = []
+    try:
+        runner, target = target_worker(artifact_dir(args) / "target", params, device, max_slots)
+        runners.append(runner)
+        draft = None
+        if int_parameter(params, "num_mtp_layers", 0):
+            runner, draft = draft_worker(artifact_dir(args) / "mtp", params, device, dtype, max_slots)
+            runners.append(runner)
+    except BaseException:
+        for runner in runners:
+            close_model_step(runner)
+        raise
+    return InProcessHops(target, draft), runners
 
 
 def close_model_step(runner: Callable) -> None:

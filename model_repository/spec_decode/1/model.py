@@ -1,5 +1,6 @@
-"""Triton adapter of `spec_decode` (decoupled BLS): `execute` validates and enqueues; the scheduler
-thread steps all live sequences with one `mtp` and one `target` hop per step."""
+"""Triton adapter of `spec_decode` (decoupled): `execute` validates and enqueues; the scheduler thread
+steps all live sequences with one `mtp` and one `target` hop per step, as BLS calls or (parameter
+`hops` local) with the workers in this process."""
 from triton_mtp.serving import triton_io
 from triton_mtp.serving.metrics import EngineMetrics
 from triton_mtp.serving.requests import TokenizerFile, engine_limits
@@ -8,11 +9,13 @@ from triton_mtp.serving.scheduler import Scheduler
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.limits = engine_limits(triton_io.model_parameters(args))
+        params = triton_io.model_parameters(args)
+        self.limits = engine_limits(params)
         tokenizer_path = triton_io.artifact_dir(args) / "tokenizer.json"
         self.tokenizer = TokenizerFile(tokenizer_path) if tokenizer_path.exists() else None
+        hops, self.runners = triton_io.engine_hops(args, params)
         metrics = EngineMetrics(self.limits.max_draft_tokens, triton_io.TritonMetricSink())
-        self.scheduler = Scheduler(triton_io.BlsHops(), self.limits, metrics, self.tokenizer)
+        self.scheduler = Scheduler(hops, self.limits, metrics, self.tokenizer)
         self.scheduler.start()
 
     def execute(self, requests):
@@ -21,3 +24,5 @@ class TritonPythonModel:
 
     def finalize(self):
         self.scheduler.stop()
+        for runner in self.runners:
+            triton_io.close_model_step(runner)

@@ -1,19 +1,12 @@
 """Triton adapter of the `target` model: one verify (or prefill) call for all live sequences per request."""
-from triton_mtp.serving import graphs, triton_io
-from triton_mtp.serving.requests import int_parameter
-from triton_mtp.serving.workers import TargetBatch, TargetWorker
+from triton_mtp.serving import triton_io
+from triton_mtp.serving.workers import TargetBatch
 
 
 class TritonPythonModel:
     def initialize(self, args):
         params, device, _, max_slots = triton_io.step_model_settings(args)
-
-        def graphed(runner):
-            width = int_parameter(params, "max_draft_tokens", 1) + 1  # the verify window
-            return graphs.GraphedTarget(runner, max_slots, width, device)
-
-        self.runner, step = triton_io.load_model_step(args, params, device, graphed)
-        self.worker = TargetWorker(step, max_slots, device)
+        self.runner, self.worker = triton_io.target_worker(triton_io.artifact_dir(args), params, device, max_slots)
 
     def execute(self, requests):
         return [triton_io.serve(request, self._verify) for request in requests]

@@ -1,0 +1,99 @@
+"""`triton-mtp export --hops local`: `spec_decode` runs the target and MTP workers in its own process.
+
+The same drafting checkpoint is served both ways (conftest `spec_decode_repository` is the BLS
+export); in fp32 on CPU every request, greedy or sampled with a seed, must come back identical, since
+the workers and their draws are the same code with the same inputs, only not behind a hop.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from triton_mtp.client import Client, InvalidArgumentError
+from triton_mtp.export.repository import write_repository
+
+VOCAB = 128
+
+
+@pytest.fixture(scope="module")
+def local_repository(drafting_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    repo = tmp_path_factory.mktemp("local_hops_repository")
+    write_repository(drafting_checkpoint, repo, max_slots=4, max_draft_tokens=4, hops="local", progress=False,
+                     log=lambda line: None)
+    return repo
+
+
+@pytest.fixture(scope="module")
+def local(triton_server_for, local_repository):
+    return Client(triton_server_for(local_repository).grpc_url, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def bls(triton_server_for, spec_decode_repository):
+    return Client(triton_server_for(spec_decode_repository).grpc_url, timeout=120)
+
+
+def prompts(count: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, VOCAB, (int(n),), generator=gen).tolist() for n in torch.randint(1, 12, (count,), generator=gen)]
+
+
+def test_the_repository_holds_spec_decode_alone_with_the_artifacts_inside(local_repository):
+    assert sorted(p.name for p in local_repository.iterdir() if p.is_dir()) == ["spec_decode"]
+    version = local_repository / "spec_decode" / "1"
+    assert (version / "target" / "target.pt").is_file()
+    assert sorted(p.name for p in (version / "mtp").glob("mtp_*.pt")) == ["mtp_0.pt", "mtp_1.pt"]
+    config = (local_repository / "spec_decode" / "config.pbtxt").read_text()
+    assert re.search(r'key: "hops", value: \{ string_value: "local" \}', config)
+    assert "kind: KIND_CPU" in config
+    manifest = json.loads((local_repository / "export.json").read_text())
+    assert manifest["hops"] == "local"
+    assert manifest["artifacts"]["target"] == "spec_decode/1/target/target.pt"
+
+
+def test_greedy_output_equals_the_bls_engine_for_every_k(local, bls):
+    for k in range(5):  # k = 3, 4 reuse the two MTP layers cyclically
+        for prompt in prompts(4, seed=k):
+            ours = local.generate(input_ids=prompt, max_tokens=16, num_draft_tokens=k, return_logprobs=True)
+            theirs = bls.generate(input_ids=prompt, max_tokens=16, num_draft_tokens=k, return_logprobs=True)
+            assert ours.ids == theirs.ids, f"k={k} prompt={prompt}"
+            assert ours.logprobs == pytest.approx(theirs.logprobs, abs=1e-5)
+            assert ours.acceptance.accepted_per_position == theirs.acceptance.accepted_per_position
+            if k and len(ours.ids) > 1:
+                assert ours.acceptance.draft_tokens > 0
+
+
+def test_sampled_output_with_a_seed_equals_the_bls_engine(local, bls):
+    for i, prompt in enumerate(prompts(6, seed=10)):
+        request = dict(input_ids=prompt, max_tokens=16, num_draft_tokens=1 + i % 4, temperature=(0.7, 1.0)[i % 2],
+                       top_p=0.9, seed=500 + i)
+        ours, theirs = local.generate(**request), bls.generate(**request)
+        assert ours.ids == theirs.ids, request
+        assert ours.acceptance.accepted_draft_tokens == theirs.acceptance.accepted_draft_tokens
+
+
+def test_concurrent_streams_equal_the_same_requests_one_by_one(local):
+    import concurrent.futures
+
+    requests = [dict(input_ids=p, max_tokens=20, num_draft_tokens=i % 5) for i, p in enumerate(prompts(8, seed=20))]
+    alone = [local.generate(**r).ids for r in requests]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda r: local.generate(**r).ids, requests))
+    assert together == alone
+
+
+def test_bad_input_is_invalid_arg_and_the_engine_keeps_serving(local):
+    with pytest.raises(InvalidArgumentError, match="max_tokens"):
+        local.generate(input_ids=[5, 6], max_tokens=0)
+    assert len(local.generate(input_ids=[5, 6], max_tokens=4, num_draft_tokens=2).ids) == 4
+
+
+def test_local_hops_refuse_tensor_parallel(drafting_checkpoint, tmp_path):
+    with pytest.raises(ValueError, match="--hops local.*--tensor-parallel 2"):
+        write_repository(drafting_checkpoint, tmp_path, fmt="eager", hops="local", tensor_parallel=2, progress=False)
+    with pytest.raises(ValueError, match="hops: must be one of bls, local"):
+        write_repository(drafting_checkpoint, tmp_path, hops="inline", progress=False)
