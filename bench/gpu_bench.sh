@@ -12,6 +12,7 @@
 #               artifacts outside Triton, and their batch-1 call time
 #   triton      bench/triton_bench.py against an embedded tritonserver: batch 1 plain and k=1..4, then the
 #               concurrency sweep for plain and the best k
+#   export_local, triton_local  the same with `export --hops local` (spec_decode runs the workers itself)
 #   standalone  bench/standalone.py: the same checkpoint in one process, steps as captured CUDA graphs,
 #               with and without speculation
 #   hf_generate bench/hf_generate.py: transformers generate(do_sample=False), the same checkpoint
@@ -19,7 +20,7 @@
 #   standalone_compiled  the standalone loop under torch.compile(mode="reduce-overhead"), with the time left
 # Every stage is cut to what BENCH_DEADLINE_S (default 540) leaves, and the report is rewritten after each.
 # then bench/report.py writes $OUT/results.json, results.md, sweep.png, acceptance.png (with matplotlib);
-# $OUT/bench.log has every stage's output and $OUT/server.log the server's log.
+# $OUT/bench.log has every stage's output and $OUT/server.log, server_local.log the servers' logs.
 #
 # Where the project is not pip-installed (the GPU host) a PYTHONPATH shim of symlinks stands in for it.
 # Where tritonserver or tritonclient are not installed, they come from .bundle/: tritonserver.tar.xz
@@ -162,6 +163,17 @@ if [ -d "$repository/spec_decode" ]; then
     stub_path_off
 else
     say "stage triton skipped: no model repository at $repository"
+fi
+local_repository=$work/repository_local  # the same export with --hops local: the workers inside spec_decode
+stage export_local "${BENCH_EXPORT_S:-90}" python -m triton_mtp.cli export --checkpoint "$checkpoint" \
+    --repository "$local_repository" --hops local --format "$format" "${format_args[@]}" --device "$device" \
+    --dtype "$dtype" --max-slots 64 --max-seq-len "$max_seq_len" --max-draft-tokens "$max_draft" --max-queue-size 256
+if [ -d "$local_repository/spec_decode" ]; then
+    stub_path_on
+    stage triton_local "${BENCH_TRITON_S:-240}" python -m bench.triton_bench "${common[@]}" --repository "$local_repository" \
+        --out "$stages/triton_local.json" --server-log "$OUT/server_local.log" --draft-tokens "$drafts" \
+        --concurrency "$streams" --warmup "$warmup"
+    stub_path_off
 fi
 stage standalone "${BENCH_STANDALONE_S:-75}" python -m bench.standalone "${common[@]}" --out "$stages/standalone.json" \
     --device "$device" --dtype "$dtype" --graphs "$graphs" --draft-tokens "$drafts"

@@ -12,7 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-STAGES = ("capture", "triton", "standalone", "standalone_compiled", "hf_generate", "realistic")
+STAGES = ("capture", "triton", "triton_local", "standalone", "standalone_compiled", "hf_generate", "realistic")
+TRITON = {"triton": "bls", "triton_local": "local"}  # stage: the `spec_decode` hops it served with
 STANDALONE = ("standalone", "standalone_compiled")
 TARGETS = {  # name: (description, comparison, threshold)
     "P1": ("best-k speculative / plain tokens/s through Triton, batch 1", ">=", 2.2),
@@ -47,28 +48,33 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def ratios(results: dict[str, Any]) -> dict[str, float | None]:
-    """The targets' ratios from one run's results (None where an input is missing)."""
-    batch1 = results.get("triton", {}).get("batch1", {})
+def ratios(results: dict[str, Any], stage: str = "triton") -> dict[str, float | None]:
+    """The targets' ratios from one run's results, "through Triton" meaning `stage` (None where an input is missing)."""
+    batch1 = results.get(stage, {}).get("batch1", {})
     spec = {k: r["tokens_per_s"] for k, r in batch1.items() if k != "0"}
     best = max(spec, key=spec.get) if spec else ""
-    plain = _get(results, "triton", "batch1", "0", "tokens_per_s")
-    standalone = [_get(results, stage, "runs", "0", "tokens_per_s") for stage in STANDALONE]
+    plain = _get(results, stage, "batch1", "0", "tokens_per_s")
+    standalone = [_get(results, loop, "runs", "0", "tokens_per_s") for loop in STANDALONE]
     return {
-        "P1": _ratio(_get(results, "triton", "batch1", best, "tokens_per_s"), plain),
+        "P1": _ratio(_get(results, stage, "batch1", best, "tokens_per_s"), plain),
         "P2": _ratio(plain, max((v for v in standalone if v is not None), default=None)),
-        "P3": _ratio(_get(results, "triton", "sweep", "plain", "32", "tokens_per_s"),
-                     _get(results, "triton", "sweep", "plain", "1", "tokens_per_s")),
-        "P3-spec": _ratio(_get(results, "triton", "sweep", "spec", "32", "tokens_per_s"),
-                          _get(results, "triton", "sweep", "plain", "32", "tokens_per_s")),
+        "P3": _ratio(_get(results, stage, "sweep", "plain", "32", "tokens_per_s"),
+                     _get(results, stage, "sweep", "plain", "1", "tokens_per_s")),
+        "P3-spec": _ratio(_get(results, stage, "sweep", "spec", "32", "tokens_per_s"),
+                          _get(results, stage, "sweep", "plain", "32", "tokens_per_s")),
         "P4": _get(results, "realistic", "moe", "selected", "step_over_floor"),
         "P5": _ratio(plain, _get(results, "hf_generate", "tokens_per_s")),
     }
 
 
-def same_outputs(results: dict[str, Any]) -> dict[str, tuple[int, int]]:
-    """Per k run by both: requests whose greedy tokens through Triton equal the standalone loop's."""
-    triton = results.get("triton", {}).get("batch1", {})
+def all_ratios(results: dict[str, Any]) -> dict[str, dict[str, float | None]]:
+    """{hops: the targets' ratios} for each Triton stage in the run."""
+    return {hops: ratios(results, stage) for stage, hops in TRITON.items() if stage in results or stage == "triton"}
+
+
+def same_outputs(results: dict[str, Any], stage: str = "triton") -> dict[str, tuple[int, int]]:
+    """Per k run by both: requests whose greedy tokens through Triton (`stage`) equal the standalone loop's."""
+    triton = results.get(stage, {}).get("batch1", {})
     standalone = results.get("standalone", {}).get("runs", {})
     matches = {}
     for k in triton.keys() & standalone.keys():
@@ -113,20 +119,25 @@ def _fmt(value: Any, digits: int = 2) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
-def markdown(results: dict[str, Any], targets: dict[str, float | None]) -> str:
+def markdown(results: dict[str, Any], targets: dict[str, dict[str, float | None]]) -> str:
     lines = ["# triton-mtp benchmark results", ""]
     env = next((r["environment"] for r in results.values() if "environment" in r), {})
     lines.append("Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()))
     missing = [s for s in STAGES if s not in results]
     if missing:
         lines.append(f"Not in this run (skipped, failed or cut by the deadline; see bench.log): {', '.join(missing)}")
-    lines += ["", "## Targets", "", "| target | what | ratio | goal | result |", "|---|---|---|---|---|"]
+    modes = list(targets) or ["bls"]
+    lines += ["", "## Targets", "", "Through Triton with `spec_decode`'s hops as BLS calls (bls) and with the workers in "
+              "its own process (local, `export --hops local`).", "",
+              "| target | what | " + " | ".join(f"{m} ratio | {m} result" for m in modes) + " | goal |",
+              "|---|---|" + "---|---|" * len(modes) + "---|"]
     for name, (what, comparison, threshold) in TARGETS.items():
-        value = targets[name]
-        lines.append(f"| {name} | {what} | {_fmt(value)} | {comparison} {threshold} | {_met(value, comparison, threshold)} |")
+        cells = [f"{_fmt(v)} | {_met(v, comparison, threshold)}" for v in (targets.get(m, {}).get(name) for m in modes)]
+        lines.append(f"| {name} | {what} | {' | '.join(cells)} | {comparison} {threshold} |")
     rows = []
-    for k, r in results.get("triton", {}).get("batch1", {}).items():
-        rows.append((f"Triton k={k}", r))
+    for stage, hops in TRITON.items():
+        for k, r in results.get(stage, {}).get("batch1", {}).items():
+            rows.append((f"Triton ({hops}) k={k}", r))
     for stage in STANDALONE:
         for k, r in results.get(stage, {}).get("runs", {}).items():
             rows.append((f"standalone ({results[stage]['graphs']}) k={k}", r))
@@ -139,7 +150,8 @@ def markdown(results: dict[str, Any], targets: dict[str, float | None]) -> str:
                          f"| {_fmt(r.get('mean_accepted_length'))} | {_fmt(r.get('hops_per_token'))} |")
     if "hf_generate" in results:
         lines.append(f"| transformers generate | {_fmt(results['hf_generate']['tokens_per_s'], 1)} | - | - | - | - | - | - |")
-    calls = [(k, r["models"]) for k, r in results.get("triton", {}).get("batch1", {}).items() if "models" in r]
+    calls = [(k, r["models"]) for k, r in results.get("triton", {}).get("batch1", {}).items()
+             if r.get("models", {}).get("target", {}).get("calls")]
     if calls:
         lines += ["", "Server time per call of the hop models (Prometheus counters over the run; compute = the model's "
                   "execute, request = queue + compute):", "",
@@ -147,27 +159,30 @@ def markdown(results: dict[str, Any], targets: dict[str, float | None]) -> str:
                   "|---|---|---|---|---|---|---|"]
         for k, m in calls:
             t, d = m["target"], m["mtp"]
-            lines.append(f"| Triton k={k} | {t['calls']:.0f} | {_fmt(t['compute_ms'], 3)} | {_fmt(t['request_ms'], 3)} "
+            lines.append(f"| Triton (bls) k={k} | {t['calls']:.0f} | {_fmt(t['compute_ms'], 3)} | {_fmt(t['request_ms'], 3)} "
                          f"| {d['calls']:.0f} | {_fmt(d['compute_ms'], 3)} | {_fmt(d['request_ms'], 3)} |")
-    matches = same_outputs(results)
-    if matches:
-        lines += ["", "Greedy outputs through Triton equal the standalone loop's: "
-                  + ", ".join(f"k={k} {same}/{total} requests" for k, (same, total) in matches.items()) + "."]
+    for stage, hops in TRITON.items():
+        matches = same_outputs(results, stage)
+        if matches:
+            lines += ["", f"Greedy outputs through Triton ({hops}) equal the standalone loop's: "
+                      + ", ".join(f"k={k} {same}/{total} requests" for k, (same, total) in matches.items()) + "."]
     agreements = {name: agreement_with_plain(runs) for name, runs in _runs_by_loop(results).items()}
     if any(agreements.values()):
         lines += ["", "Greedy speculative output against the same loop's plain output (requests identical; "
                   "plain tokens reproduced before the first difference): "
                   + "; ".join(f"{name} " + ", ".join(f"k={k} {a['requests']:.2f} / {a['tokens']:.3f}" for k, a in found.items())
                               for name, found in agreements.items() if found) + "."]
-    sweep = results.get("triton", {}).get("sweep", {})
-    if sweep:
-        lines += ["", f"## Concurrency sweep (spec: k={results['triton'].get('best_k')})", "",
-                  "| run | streams | aggregate tokens/s | ITL p50 ms | ITL p99 ms | TTFT p50 ms | hops/token |",
-                  "|---|---|---|---|---|---|---|"]
-        for name, levels in sweep.items():
-            for streams, r in levels.items():
-                lines.append(f"| {name} | {streams} | {_fmt(r['tokens_per_s'], 1)} | {_fmt(r['itl']['p50_ms'])} "
-                             f"| {_fmt(r['itl']['p99_ms'])} | {_fmt(r['ttft']['p50_ms'])} | {_fmt(r['hops_per_token'])} |")
+    sweeps = {hops: results[stage] for stage, hops in TRITON.items() if results.get(stage, {}).get("sweep")}
+    if sweeps:
+        lines += ["", "## Concurrency sweep (spec: the best k of batch 1)", "",
+                  "| hops | run | streams | aggregate tokens/s | ITL p50 ms | ITL p99 ms | TTFT p50 ms | hops/token |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for hops, found in sweeps.items():
+            for name, levels in found["sweep"].items():
+                label = f"{name} (k={found.get('best_k')})" if name == "spec" else name
+                for streams, r in levels.items():
+                    lines.append(f"| {hops} | {label} | {streams} | {_fmt(r['tokens_per_s'], 1)} | {_fmt(r['itl']['p50_ms'])} "
+                                 f"| {_fmt(r['itl']['p99_ms'])} | {_fmt(r['ttft']['p50_ms'])} | {_fmt(r['hops_per_token'])} |")
     capture = results.get("capture", {}).get("repositories", {})
     if capture:
         lines += ["", "## Decode graphs over the exported artifacts, outside Triton (bench/capture_check.py)", "",
@@ -194,7 +209,7 @@ def markdown(results: dict[str, Any], targets: dict[str, float | None]) -> str:
 
 def _runs_by_loop(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """{loop name: {k: run}} for Triton's batch-1 runs and each standalone loop."""
-    loops = {"Triton": results.get("triton", {}).get("batch1", {})}
+    loops = {f"Triton ({hops})": results.get(stage, {}).get("batch1", {}) for stage, hops in TRITON.items()}
     loops.update({stage: results.get(stage, {}).get("runs", {}) for stage in STANDALONE})
     return loops
 
@@ -209,12 +224,13 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
     except ImportError:
         return []
     written = []
-    sweep = results.get("triton", {}).get("sweep", {})
-    if sweep:
+    sweeps = {hops: results[stage]["sweep"] for stage, hops in TRITON.items() if results.get(stage, {}).get("sweep")}
+    if sweeps:
         fig, ax = plt.subplots(figsize=(6, 4))
-        for name, levels in sweep.items():
-            streams = [int(s) for s in levels]
-            ax.plot(streams, [levels[str(s)]["tokens_per_s"] for s in streams], marker="o", label=name)
+        for hops, sweep in sweeps.items():
+            for name, levels in sweep.items():
+                streams = [int(s) for s in levels]
+                ax.plot(streams, [levels[str(s)]["tokens_per_s"] for s in streams], marker="o", label=f"{name} ({hops})")
         ax.set(xscale="log", xlabel="concurrent streams", ylabel="aggregate tokens/s", title="tokens/s vs concurrency")
         ax.legend()
         fig.tight_layout()
@@ -244,16 +260,18 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = load_stages(Path(args.stages))
-    targets = ratios(results)
-    summary = {"targets": targets, "triton_equals_standalone": same_outputs(results),
+    targets = all_ratios(results)
+    summary = {"targets": targets,
+               "triton_equals_standalone": {hops: same_outputs(results, stage) for stage, hops in TRITON.items()},
                "agreement_with_plain": {name: agreement_with_plain(runs) for name, runs in _runs_by_loop(results).items()},
                **results}
     (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "results.md").write_text(markdown(results, targets))
     plots(results, out)
-    for name, value in targets.items():
-        what, comparison, threshold = TARGETS[name]
-        print(f"{name}: {_fmt(value)} ({comparison} {threshold}: {_met(value, comparison, threshold)}) {what}")
+    for hops, found in targets.items():
+        for name, value in found.items():
+            what, comparison, threshold = TARGETS[name]
+            print(f"{name} ({hops}): {_fmt(value)} ({comparison} {threshold}: {_met(value, comparison, threshold)}) {what}")
     return 0
 
 

@@ -71,13 +71,17 @@ def smoke_run(tmp_path_factory) -> Path:
 
 def test_smoke_run_writes_every_stage_and_the_targets(smoke_run):
     results = json.loads((smoke_run / "results.json").read_text())
-    assert {"standalone", "hf_generate", "realistic", "triton"} <= results.keys(), (smoke_run / "bench.log").read_text()[-3000:]
-    for name in ("P1", "P2", "P4", "P5"):
-        assert results["targets"][name] > 0, name
-    assert results["targets"]["P3"] is None  # the smoke sweep stops at 2 streams
+    assert {"standalone", "hf_generate", "realistic", "triton", "triton_local"} <= results.keys(), \
+        (smoke_run / "bench.log").read_text()[-3000:]
+    assert set(results["targets"]) == {"bls", "local"}
+    for hops, targets in results["targets"].items():
+        for name in ("P1", "P2", "P4", "P5"):
+            assert targets[name] > 0, (hops, name)
+        assert targets["P3"] is None  # the smoke sweep stops at 2 streams
     report = (smoke_run / "results.md").read_text()
-    assert "| P1 |" in report and "## Concurrency sweep" in report and "## Realistic configuration" in report
-    assert len(list(smoke_run.iterdir())) <= 8
+    assert "| P1 |" in report and "bls ratio | bls result | local ratio | local result" in report
+    assert "| Triton (local) k=2 |" in report and "## Concurrency sweep" in report and "## Realistic configuration" in report
+    assert len(list(smoke_run.iterdir())) <= 9
 
 
 def test_smoke_run_through_triton_accepts_every_perfect_draft(smoke_run):
@@ -95,9 +99,20 @@ def test_smoke_run_through_triton_accepts_every_perfect_draft(smoke_run):
     assert set(triton["sweep"]) == {"plain", "spec"} and set(triton["sweep"]["spec"]) == {"1", "2"}
 
 
+def test_smoke_run_with_local_hops_makes_no_hop_and_accepts_every_perfect_draft(smoke_run):
+    results = json.loads((smoke_run / "results.json").read_text())
+    local = results["triton_local"]
+    for k in ("0", "1", "2"):
+        run = local["batch1"][k]
+        assert run["output_tokens"] == 2 * 16 and run["hops"] == 0  # no `target` / `mtp` model served a call
+        assert run["outputs"] == results["triton"]["batch1"][k]["outputs"]
+    assert local["batch1"]["2"]["acceptance_per_position"] == [1.0, 1.0]
+
+
 def test_smoke_run_standalone_matches_the_server(smoke_run):
     results = json.loads((smoke_run / "results.json").read_text())
-    assert results["triton_equals_standalone"] == {"0": [2, 2], "1": [2, 2], "2": [2, 2]}
+    everything = {"0": [2, 2], "1": [2, 2], "2": [2, 2]}
+    assert results["triton_equals_standalone"] == {"bls": everything, "local": everything}
     for k in ("1", "2"):
         run = results["standalone"]["runs"][k]
         assert run["same_tokens_as_plain"]
