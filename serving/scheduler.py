@@ -86,6 +86,11 @@ class _Sequence:
         return max(0, min(self.request.num_draft_tokens, left))
 
 
+def _padded(values, length: int, pad: int) -> list[int]:
+    values = list(values)
+    return values + [pad] * (length - len(values))
+
+
 def _row_params(rows: list[_Sequence], new: list[bool]) -> dict[str, torch.Tensor]:
     requests = [s.request for s in rows]
     return {
@@ -239,23 +244,22 @@ class Scheduler:
         B = len(rows)
         T = max(len(s.absorb_tokens) for s in rows)
         H = rows[0].absorb_hidden.shape[-1]
-        token_ids = torch.zeros(B, T, dtype=torch.int64)  # [B, T]
-        positions = torch.full((B, T), -1, dtype=torch.int64)  # [B, T]
+        token_ids = torch.tensor([_padded(s.absorb_tokens, T, 0) for s in rows], dtype=torch.int64)  # [B, T]
+        positions = torch.tensor([_padded(range(s.absorb_start, s.absorb_start + len(s.absorb_tokens)), T, -1)
+                                  for s in rows], dtype=torch.int64)  # [B, T]
         hidden = torch.zeros(B, T, H, dtype=torch.float32)  # [B, T, H]
         for b, s in enumerate(rows):
-            n = len(s.absorb_tokens)
-            token_ids[b, :n] = torch.tensor(s.absorb_tokens)
-            positions[b, :n] = torch.arange(s.absorb_start, s.absorb_start + n)
-            hidden[b, :n] = s.absorb_hidden
-        num_draft = torch.tensor([s.num_draft for s in rows], dtype=torch.int64)  # [B]
+            hidden[b, : len(s.absorb_tokens)] = s.absorb_hidden
+        wanted = [s.num_draft for s in rows]
+        num_draft = torch.tensor(wanted, dtype=torch.int64)  # [B]
         batch = DraftBatch(**_row_params(rows, [not s.drafting for s in rows]),
                            token_ids=token_ids, hidden=hidden, positions=positions, num_draft=num_draft)
         result = self._hops.mtp(batch)
         self.metrics.hop()
-        for b, s in enumerate(rows):
-            k = int(num_draft[b])
+        draft_ids = result.draft_ids.tolist()  # [B][K]
+        for b, (s, k) in enumerate(zip(rows, wanted)):
             s.drafting = True
-            s.drafts = result.draft_ids[b, :k].tolist()
+            s.drafts = draft_ids[b][:k]
             if result.draft_top_ids is not None:
                 s.draft_top_ids, s.draft_top_probs = result.draft_top_ids[b, :k], result.draft_top_probs[b, :k]
 
@@ -269,11 +273,9 @@ class Scheduler:
                 windows.append(s.tokens)
                 starts.append(0)
         B, T = len(rows), max(len(w) for w in windows)
-        token_ids = torch.zeros(B, T, dtype=torch.int64)  # [B, T]
-        positions = torch.full((B, T), -1, dtype=torch.int64)  # [B, T]
-        for b, (window, start) in enumerate(zip(windows, starts)):
-            token_ids[b, : len(window)] = torch.tensor(window)
-            positions[b, : len(window)] = torch.arange(start, start + len(window))
+        token_ids = torch.tensor([_padded(w, T, 0) for w in windows], dtype=torch.int64)  # [B, T]
+        positions = torch.tensor([_padded(range(start, start + len(w)), T, -1) for w, start in zip(windows, starts)],
+                                 dtype=torch.int64)  # [B, T]
         num_draft = torch.tensor([len(s.drafts) if s.prefilled else 0 for s in rows], dtype=torch.int64)  # [B]
         top_ids = top_probs = None
         sampled = [s for s in rows if s.prefilled and s.draft_top_ids is not None]
@@ -290,18 +292,19 @@ class Scheduler:
                             draft_top_ids=top_ids, draft_top_probs=top_probs)
         result = self._hops.target(batch)
         self.metrics.hop()
+        num_accepted, output_ids, logprobs = (result.num_accepted.tolist(), result.output_ids.tolist(),
+                                              result.logprobs.tolist())  # [B], [B][K+1], [B][K+1]
         for b, s in enumerate(rows):
             try:
-                self._accept(s, int(result.num_accepted[b]), result.output_ids[b], result.logprobs[b],
-                             result.hidden[b], starts[b])
+                self._accept(s, num_accepted[b], output_ids[b], logprobs[b], result.hidden[b], starts[b])
             except Exception as exc:  # noqa: BLE001 - this request alone fails
                 self._fail(s, f"spec_decode: {type(exc).__name__}: {exc}")
 
-    def _accept(self, s: _Sequence, num_accepted: int, output_ids: torch.Tensor, logprobs: torch.Tensor,
+    def _accept(self, s: _Sequence, num_accepted: int, output_ids: list[int], logprobs: list[float],
                 hidden: torch.Tensor, start: int) -> None:
         """Record one target result for one sequence; output_ids [K+1], logprobs [K+1], hidden [T, H]."""
-        new_ids = output_ids[: num_accepted + 1].tolist()
-        new_logprobs = logprobs[: num_accepted + 1].tolist()
+        new_ids = output_ids[: num_accepted + 1]
+        new_logprobs = logprobs[: num_accepted + 1]
         if s.prefilled:
             k = len(s.drafts)
             if k:

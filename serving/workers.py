@@ -32,6 +32,22 @@ TargetStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Te
 MTPStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
 
+def packed_copy(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """`tensors` (all on one device) on `device` with a single transfer: their bytes side by side in one
+    buffer (each at an 8-byte aligned offset), copied once, and viewed back as the original dtypes and
+    shapes. A hop payload is a handful of small tensors, and each separate copy between host and GPU
+    waits for the stream."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + -(-size // 8) * 8)
+    buffer = torch.empty(offsets[-1], dtype=torch.uint8, device=tensors[0].device)  # [bytes]
+    for t, offset, size in zip(tensors, offsets, sizes):
+        buffer[offset: offset + size].copy_(t.reshape(-1).view(torch.uint8))
+    moved = buffer.to(device)
+    return [moved[offset: offset + size].view(t.dtype).view(t.shape) for t, offset, size in zip(tensors, offsets, sizes)]
+
+
 class _Payload:
     """Tensor fields <-> numpy arrays named by field; an absent optional field is None."""
 
@@ -48,17 +64,23 @@ class _Payload:
                 values[f.name] = torch.from_numpy(np.ascontiguousarray(array))
         return cls(**values)
 
-    def to(self, device: torch.device):
-        """The same payload with every tensor on `device`."""
-        moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return dataclasses.replace(self, **{name: t.to(device) for name, t in moved.items() if t is not None})
+    def to(self, device: torch.device | str):
+        """The same payload with every tensor on `device`, moved with one transfer per source device."""
+        device = torch.device(device)
+        moving: dict[torch.device, list[str]] = {}
+        for f in dataclasses.fields(self):
+            t = getattr(self, f.name)
+            if t is not None and t.device != device:
+                moving.setdefault(t.device, []).append(f.name)
+        moved = {}
+        for names in moving.values():
+            moved.update(zip(names, packed_copy([getattr(self, name) for name in names], device)))
+        return dataclasses.replace(self, **moved)
 
     def to_arrays(self) -> dict[str, np.ndarray]:
-        return {
-            f.name: getattr(self, f.name).detach().cpu().numpy()
-            for f in dataclasses.fields(self)
-            if getattr(self, f.name) is not None
-        }
+        host = self.to("cpu")
+        return {f.name: getattr(host, f.name).detach().numpy() for f in dataclasses.fields(host)
+                if getattr(host, f.name) is not None}
 
 
 @dataclass
@@ -291,9 +313,9 @@ class InProcessHops:
         self._target, self._draft = target, draft
 
     def target(self, batch: TargetBatch) -> TargetResult:
-        return self._target.verify(batch)
+        return self._target.verify(batch).to("cpu")  # host tensors, as from a hop
 
     def mtp(self, batch: DraftBatch) -> DraftResult:
         if self._draft is None:
             raise RuntimeError("mtp: the checkpoint has no MTP layers")
-        return self._draft.propose(batch)
+        return self._draft.propose(batch).to("cpu")

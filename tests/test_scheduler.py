@@ -422,3 +422,21 @@ def test_unfilled_config_parameter_is_named_at_load_time():
     with pytest.raises(ValueError, match="parameter 'max_queue_size' must be an integer"):
         engine_limits(params)
     assert engine_limits({**params, "max_queue_size": "8"}).max_queue_size == 8
+
+
+def test_a_payload_moves_with_one_packed_copy_and_keeps_every_value():
+    from triton_mtp.serving.workers import TargetResult, packed_copy
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randint(-5, 5, (3, 5), generator=gen), torch.rand(3, generator=gen) > 0.5,
+               torch.randn(3, 2, 7, generator=gen), torch.zeros(0, dtype=torch.int64),
+               torch.randn(4, 3, generator=gen).t()]  # unaligned sizes, an empty and a non-contiguous tensor
+    moved = packed_copy(tensors, torch.device("cpu"))
+    for before, after in zip(tensors, moved):
+        assert after.dtype == before.dtype and after.shape == before.shape
+        assert torch.equal(after, before)
+    assert len({t.untyped_storage().data_ptr() for t in moved}) == 1  # views of one buffer
+    result = TargetResult(tensors[0], tensors[0][:, 0], tensors[2][:, 0].float(), tensors[2])
+    arrays = result.to_arrays()
+    assert set(arrays) == {"output_ids", "num_accepted", "logprobs", "hidden"}
+    assert np.array_equal(arrays["hidden"], tensors[2].numpy())
