@@ -22,6 +22,7 @@ set -- --checkpoint "$CHECKPOINT_DIR" --repository "$MODEL_REPOSITORY"
 [ -n "${MAX_QUEUE_SIZE:-}" ] && set -- "$@" --max-queue-size "$MAX_QUEUE_SIZE"
 [ -n "${REQUEST_TIMEOUT_S:-}" ] && set -- "$@" --request-timeout "$REQUEST_TIMEOUT_S"
 [ -n "${TENSOR_PARALLEL:-}" ] && set -- "$@" --tensor-parallel "$TENSOR_PARALLEL"
+[ -n "${HOPS:-}" ] && set -- "$@" --hops "$HOPS"
 [ "${CUDA_GRAPHS:-true}" = false ] && set -- "$@" --no-cuda-graphs
 
 mkdir -p "$MODEL_REPOSITORY"

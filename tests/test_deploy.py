@@ -117,11 +117,12 @@ def test_default_stack_exports_then_serves_the_bundled_model_on_a_gpu(gpu_config
 
 def test_variables_reach_the_export_and_the_gpu_reservation() -> None:
     env = {"CHECKPOINT_DIR": "/data/DeepSeek-V3", "NUM_DRAFT_TOKENS": "3", "MAX_SLOTS": "32", "GPU_IDS": "2",
-           "TRITON_REPLICAS": "4", "LB_GRPC_PORT": "7001"}
+           "TRITON_REPLICAS": "4", "LB_GRPC_PORT": "7001", "HOPS": "local"}
     services = compose_config(COMPOSE_GPU, env)["services"]
     export = services["export"]
     assert (Path("/data/DeepSeek-V3"), "/checkpoint") in bind_mounts(export)
     assert export["environment"]["NUM_DRAFT_TOKENS"] == "3" and export["environment"]["MAX_SLOTS"] == "32"
+    assert export["environment"]["HOPS"] == "local"
     assert services["triton"]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == ["2"]
     assert services["triton-replica"]["deploy"]["replicas"] == 4
     assert {"published": 7001, "target": 8001} in services["nginx"]["ports"]
@@ -202,6 +203,22 @@ def test_dockerfile_installs_every_runtime_dependency_but_torch() -> None:
 def run_script(name: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(["sh", str(ROOT / "docker" / name)], capture_output=True, text=True,
                           env={**os.environ, **env}, timeout=timeout)
+
+
+def test_export_script_turns_variables_into_export_flags(tmp_path: Path) -> None:
+    """With a stand-in `triton-mtp` on PATH that prints its arguments: set variables become flags, unset ones none."""
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "config.json").write_text("{}")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "triton-mtp").write_text('#!/bin/sh\necho "$@"\n')
+    (tmp_path / "bin" / "triton-mtp").chmod(0o755)
+    env = {"PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", "CHECKPOINT_DIR": str(tmp_path / "checkpoint"),
+           "MODEL_REPOSITORY": str(tmp_path / "repository"), "HOPS": "local", "MAX_SLOTS": "16", "EXPORT_FORMAT": ""}
+    done = run_script("export-repository.sh", env)
+    assert done.returncode == 0, done.stderr
+    args = done.stdout.split()
+    assert args[:1] == ["export"] and "--format" not in args
+    assert args[args.index("--hops") + 1] == "local" and args[args.index("--max-slots") + 1] == "16"
 
 
 def test_entrypoints_name_the_missing_input(tmp_path: Path) -> None:
