@@ -92,7 +92,8 @@ def run(args: argparse.Namespace) -> dict:
         model = timed_target.seconds + timed_mtp.seconds
         run_result = {"steps": steps, "step_ms": 1e3 * total / steps, "target_ms": 1e3 * timed_target.seconds / steps,
                       "mtp_ms": 1e3 * timed_mtp.seconds / steps, "engine_ms": 1e3 * (total - model) / steps,
-                      "tokens": engine.metrics.counters["spec_decode_emitted_tokens"]}
+                      "tokens": engine.metrics.counters["spec_decode_emitted_tokens"],
+                      "profiled": bool(args.profile) and k == draft_counts[-1]}  # timings then include the profiler's
         results["runs"][str(k)] = run_result
         print(f"k={k}: {steps} steps, {run_result['step_ms']:.2f} ms/step = target {run_result['target_ms']:.2f} "
               f"+ mtp {run_result['mtp_ms']:.2f} + engine {run_result['engine_ms']:.2f}", flush=True)
@@ -129,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--graphs", action="store_true", help="replay the model calls from decode graphs (CUDA)")
     parser.add_argument("--profile", help="write the op table of the last k's run to this file")
     parser.add_argument("--out", help="result JSON file")
-    run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    if args.graphs and not args.device.startswith("cuda"):
+        parser.error("--graphs needs --device cuda")
+    run(args)
     return 0
 
 

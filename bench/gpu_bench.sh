@@ -12,7 +12,8 @@
 #               artifacts outside Triton, and their batch-1 call time
 #   triton      bench/triton_bench.py against an embedded tritonserver: batch 1 plain and k=1..4, then the
 #               concurrency sweep for plain and the best k
-#   export_local, triton_local  the same with `export --hops local` (spec_decode runs the workers itself)
+#   export_local, triton_local  the same with `export --hops local` (spec_decode runs the workers itself;
+#               not with BENCH_REPOSITORY)
 #   standalone  bench/standalone.py: the same checkpoint in one process, steps as captured CUDA graphs,
 #               with and without speculation
 #   hf_generate bench/hf_generate.py: transformers generate(do_sample=False), the same checkpoint
@@ -165,9 +166,13 @@ else
     say "stage triton skipped: no model repository at $repository"
 fi
 local_repository=$work/repository_local  # the same export with --hops local: the workers inside spec_decode
-stage export_local "${BENCH_EXPORT_S:-90}" python -m triton_mtp.cli export --checkpoint "$checkpoint" \
-    --repository "$local_repository" --hops local --format "$format" "${format_args[@]}" --device "$device" \
-    --dtype "$dtype" --max-slots 64 --max-seq-len "$max_seq_len" --max-draft-tokens "$max_draft" --max-queue-size 256
+if [ -n "${BENCH_REPOSITORY:-}" ]; then
+    say "stage export_local skipped: BENCH_REPOSITORY serves a given repository"
+else
+    stage export_local "${BENCH_EXPORT_S:-90}" python -m triton_mtp.cli export --checkpoint "$checkpoint" \
+        --repository "$local_repository" --hops local --format "$format" "${format_args[@]}" --device "$device" \
+        --dtype "$dtype" --max-slots 64 --max-seq-len "$max_seq_len" --max-draft-tokens "$max_draft" --max-queue-size 256
+fi
 if [ -d "$local_repository/spec_decode" ]; then
     stub_path_on
     stage triton_local "${BENCH_TRITON_S:-240}" python -m bench.triton_bench "${common[@]}" --repository "$local_repository" \

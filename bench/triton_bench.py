@@ -9,8 +9,9 @@ Measures, on held-out code prompts:
 Per run: aggregate tokens/s (tokens received / wall time), TTFT, inter-token latency p50/p99
 (genai-perf's convention: a response's gap to the previous one divided by the tokens it carries),
 acceptance per position and mean accepted length (from the final responses' totals), and hops per
-emitted token (requests served by the `target` and `mtp` models, from the server's
-`nv_inference_request_success` metrics, per token received).
+emitted token (the engine's `spec_decode_hops` counter: its calls into the target and MTP workers, BLS
+calls or, with local hops, calls in its own process, per token received). With BLS hops, the server
+time per call of the `target` and `mtp` models comes from their `nv_inference_*` metrics.
 
     python -m bench.triton_bench --checkpoint DIR --repository REPO --out triton.json
     python -m bench.triton_bench --checkpoint DIR --url 127.0.0.1:8001 --metrics-url http://127.0.0.1:8002/metrics ...
@@ -40,6 +41,7 @@ RESPONSE_TIMEOUT_S = 300.0
 STOP_GRACE_S = 5.0  # the stage's time limit leaves little room for a slow shutdown
 _COUNTER = re.compile(r'^(nv_inference_request_success|nv_inference_compute_infer_duration_us|nv_inference_request_duration_us)'
                       r'\{[^}]*model="([^"]+)"[^}]*\}\s+([0-9.e+]+)', re.MULTILINE)
+_HOPS = re.compile(r'^spec_decode_hops(?:\{[^}]*\})?\s+([0-9.e+]+)', re.MULTILINE)
 
 
 @dataclass
@@ -109,13 +111,14 @@ class StreamClient:
 
 
 def server_counters(metrics_url: str) -> dict[tuple[str, str], float]:
-    """(metric, model) -> value for requests served and their compute / request microseconds, from the
-    server's Prometheus endpoint."""
+    """(metric, model) -> value for requests served and their compute / request microseconds, and the
+    engine's hops under (spec_decode_hops, spec_decode), from the server's Prometheus endpoint."""
     with urllib.request.urlopen(metrics_url, timeout=10) as response:
         text = response.read().decode()
     counters: dict[tuple[str, str], float] = {}
     for metric, model, value in _COUNTER.findall(text):
         counters[metric, model] = counters.get((metric, model), 0.0) + float(value)
+    counters["spec_decode_hops", MODEL] = sum(float(value) for value in _HOPS.findall(text))
     return counters
 
 
@@ -182,7 +185,7 @@ def run_level(url: str, metrics_url: str, prompts: list[list[int]], streams: int
     stats = list(stats.values())
     tokens = sum(len(s.output_ids) for s in stats)
     models = per_call_ms(before, after)
-    hops = sum(m["calls"] for m in models.values())
+    hops = after["spec_decode_hops", MODEL] - before["spec_decode_hops", MODEL]
     result = {
         "num_draft_tokens": k, "streams": streams, "requests": len(stats), "output_tokens": tokens,
         "wall_s": wall, "tokens_per_s": tokens / wall if wall else 0.0,

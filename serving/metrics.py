@@ -2,7 +2,8 @@
 
 Vocabulary (vLLM's): a *draft* is one proposal of up to k tokens for one sequence; *accepted*
 tokens are drafts the target kept; mean acceptance length = 1 + accepted / drafts (it counts
-the bonus or recovered token). A *hop* is one call from `spec_decode` into `target` or `mtp`.
+the bonus or recovered token). A *hop* is one call from `spec_decode` into the target or MTP worker: a
+BLS call into the `target` or `mtp` model, or, with local hops, a call in its own process.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ COUNTERS = {
     "spec_decode_num_draft_tokens": "Draft tokens proposed",
     "spec_decode_num_accepted_tokens": "Draft tokens accepted by the target",
     "spec_decode_num_accepted_tokens_per_pos": "Draft tokens accepted, by draft position",
-    "spec_decode_hops": "Calls from spec_decode into the target and mtp models",
+    "spec_decode_hops": "Calls from spec_decode into the target and mtp workers (BLS calls, or in process with local hops)",
     "spec_decode_emitted_tokens": "Tokens emitted to requests",
     "spec_decode_finished_requests": "Requests finished, by finish_reason (length, stop, cancelled), error or timeout",
 }

@@ -43,7 +43,7 @@ def packed_copy(tensors: list[torch.Tensor], device: torch.device) -> list[torch
         offsets.append(offsets[-1] + -(-size // 8) * 8)
     buffer = torch.empty(offsets[-1], dtype=torch.uint8, device=tensors[0].device)  # [bytes]
     for t, offset, size in zip(tensors, offsets, sizes):
-        buffer[offset: offset + size].copy_(t.reshape(-1).view(torch.uint8))
+        buffer[offset: offset + size].view(t.dtype).view(t.shape).copy_(t)  # any strides: written through the dtype
     moved = buffer.to(device)
     return [moved[offset: offset + size].view(t.dtype).view(t.shape) for t, offset, size in zip(tensors, offsets, sizes)]
 
@@ -67,6 +67,8 @@ class _Payload:
     def to(self, device: torch.device | str):
         """The same payload with every tensor on `device`, moved with one transfer per source device."""
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" names the current device
+            device = torch.device("cuda", torch.cuda.current_device())
         moving: dict[torch.device, list[str]] = {}
         for f in dataclasses.fields(self):
             t = getattr(self, f.name)

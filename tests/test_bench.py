@@ -89,6 +89,9 @@ def test_smoke_run_through_triton_accepts_every_perfect_draft(smoke_run):
     plain = triton["batch1"]["0"]
     assert plain["output_tokens"] == 2 * 16 and plain["hops_per_token"] == 1.0
     assert plain["models"]["mtp"]["calls"] == 0 and plain["models"]["target"]["calls"] == 32  # a prefill + 15 steps each
+    for k in ("0", "1", "2"):  # the engine's hop counter agrees with the calls the hop models served
+        models = triton["batch1"][k]["models"]
+        assert triton["batch1"][k]["hops"] == models["target"]["calls"] + models["mtp"]["calls"], k
     assert 0 < plain["models"]["target"]["compute_ms"] <= plain["models"]["target"]["request_ms"]
     for k in (1, 2):
         run = triton["batch1"][str(k)]
@@ -104,8 +107,9 @@ def test_smoke_run_with_local_hops_makes_no_hop_and_accepts_every_perfect_draft(
     local = results["triton_local"]
     for k in ("0", "1", "2"):
         run = local["batch1"][k]
-        assert run["output_tokens"] == 2 * 16 and run["hops"] == 0  # no `target` / `mtp` model served a call
-        assert run["outputs"] == results["triton"]["batch1"][k]["outputs"]
+        assert run["output_tokens"] == 2 * 16 and run["outputs"] == results["triton"]["batch1"][k]["outputs"]
+        assert run["models"]["target"]["calls"] == run["models"]["mtp"]["calls"] == 0  # no hop model exists
+        assert run["hops"] == results["triton"]["batch1"][k]["hops"] > 0  # the same worker calls, in process
     assert local["batch1"]["2"]["acceptance_per_position"] == [1.0, 1.0]
 
 

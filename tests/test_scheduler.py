@@ -430,7 +430,8 @@ def test_a_payload_moves_with_one_packed_copy_and_keeps_every_value():
     gen = torch.Generator().manual_seed(0)
     tensors = [torch.randint(-5, 5, (3, 5), generator=gen), torch.rand(3, generator=gen) > 0.5,
                torch.randn(3, 2, 7, generator=gen), torch.zeros(0, dtype=torch.int64),
-               torch.randn(4, 3, generator=gen).t()]  # unaligned sizes, an empty and a non-contiguous tensor
+               torch.randn(4, 3, generator=gen).t(), torch.arange(12).view(3, 4)[:, 1]]
+    # unaligned sizes, an empty tensor, a transposed one and a strided 1-D slice
     moved = packed_copy(tensors, torch.device("cpu"))
     for before, after in zip(tensors, moved):
         assert after.dtype == before.dtype and after.shape == before.shape
@@ -440,3 +441,19 @@ def test_a_payload_moves_with_one_packed_copy_and_keeps_every_value():
     arrays = result.to_arrays()
     assert set(arrays) == {"output_ids", "num_accepted", "logprobs", "hidden"}
     assert np.array_equal(arrays["hidden"], tensors[2].numpy())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_payload_round_trips_through_the_gpu():
+    from triton_mtp.serving.workers import TargetBatch
+
+    batch = TargetBatch(temperature=torch.tensor([0.0, 0.7]), top_k=torch.tensor([0, 5]), top_p=torch.tensor([1.0, 0.9]),
+                        seeds=torch.tensor([1, -2]), new=torch.tensor([True, False]),
+                        token_ids=torch.arange(10).view(2, 5), positions=torch.arange(10).view(2, 5) - 1,
+                        slot_ids=torch.tensor([3, 0]), num_draft=torch.zeros(0, dtype=torch.int64))
+    on_gpu = batch.to("cuda")
+    assert on_gpu.token_ids.device.type == "cuda" and on_gpu.draft_top_ids is None
+    assert on_gpu.to("cuda:0").token_ids is on_gpu.token_ids  # already there: not copied again
+    back = on_gpu.to("cpu")
+    for name in ("temperature", "top_k", "top_p", "seeds", "new", "token_ids", "positions", "slot_ids", "num_draft"):
+        assert torch.equal(getattr(back, name), getattr(batch, name)), name
