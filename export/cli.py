@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from triton_mtp.export.formats import HOPS
 from triton_mtp.export.graphs import DTYPES, FORMATS
-from triton_mtp.export.repository import DEVICES, HOPS, write_repository
+from triton_mtp.export.repository import DEVICES, write_repository
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

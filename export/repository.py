@@ -29,6 +29,7 @@ from tqdm import tqdm
 import triton_mtp.model_repository
 from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.export.config import ModelConfig
+from triton_mtp.export.formats import HOPS
 from triton_mtp.export.graphs import DTYPES, FORMATS, check_parity, export_graphs
 from triton_mtp.export.parallel import check_tensor_parallel
 from triton_mtp.serving.requests import default_limits
@@ -40,7 +41,6 @@ DEVICES = ("cpu", "cuda")
 # TorchScript steps cannot be captured. On cpu there are no graphs and TorchScript needs no checkpoint.
 DEFAULT_FORMATS = {"cpu": "torchscript", "cuda": "eager"}
 MANIFEST = "export.json"
-HOPS = ("bls", "local")
 
 
 def write_repository(

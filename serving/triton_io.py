@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
-from triton_mtp.export.formats import DTYPES, FORMATS
+from triton_mtp.export.formats import DTYPES, FORMATS, HOPS
 from triton_mtp.serving import graphs, parallel
 from triton_mtp.serving.metrics import COUNTERS, GAUGES
 from triton_mtp.serving.requests import (
@@ -207,9 +207,6 @@ def draft_worker(directory: Path, params: dict[str, str], device: torch.device, 
 
     runner, step = load_model_step(directory, params, device, graphed)
     return runner, DraftWorker(step, num_layers, max_slots, device, dtype)
-
-
-HOPS = ("bls", "local")
 
 
 def engine_hops(args: dict, params: dict[str, str]) -> tuple[object, list[Callable]]:

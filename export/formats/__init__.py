@@ -23,6 +23,7 @@ from torch import nn
 
 FORMATS = ("torchscript", "aoti", "onnx", "eager")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+HOPS = ("bls", "local")  # how `spec_decode` reaches the workers: BLS calls into `target` / `mtp`, or in process
 
 
 def format_module(fmt: str) -> ModuleType:
