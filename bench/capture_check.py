@@ -49,18 +49,19 @@ def check(repository: Path, device: torch.device) -> dict:
     """Per model of one repository: the capture's outcome and batch-1 call times."""
     manifest = _manifest(repository)
     fmt, max_slots, max_draft = manifest["format"], manifest["sizes"]["max_slots"], manifest["sizes"]["max_draft_tokens"]
-    target = load_step(repository / "target" / "1", fmt, device, compile=False)  # as a graphed model loads
-    mtp = load_step(repository / "mtp" / "1", fmt, device, compile=False)
+    artifacts = manifest["artifacts"]  # under target/1 and mtp/1, or spec_decode/1 with local hops
+    target = load_step(repository / artifacts["target"], fmt, device, compile=False)  # as a graphed model loads
+    mtp = load_step(repository / artifacts["mtp_0"], fmt, device, compile=False)  # every mtp_<i> beside it
     layers = len(mtp.graphs)
     one = torch.ones(1, 1, dtype=torch.long, device=device)  # [1, 1]
     slot = torch.zeros(1, dtype=torch.long, device=device)  # [1]
     _, hidden = target(one, -one, slot)  # [1, 1, H]
     builds = {
         "target": (target, [one, -one, slot],
-                   lambda: graphs.GraphedTarget(target, max_slots, max_draft + 1, device)),
+                   lambda: graphs.GraphedTarget(target, max_slots, graphs.target_width(max_draft), device)),
         "mtp": (mtp, [one, torch.zeros_like(hidden), -one, slot],
-                lambda: graphs.GraphedMTP(mtp, layers, max_slots, max_draft + layers, hidden.shape[-1], hidden.dtype,
-                                          device)),
+                lambda: graphs.GraphedMTP(mtp, layers, max_slots, graphs.mtp_width(max_draft, layers), hidden.shape[-1],
+                                          hidden.dtype, device)),
     }
     result = {"format": fmt}
     for name, (runner, inputs, build) in builds.items():

@@ -61,9 +61,10 @@ def run(args: argparse.Namespace) -> dict:
     dtype, layers = target.lm_head.weight.dtype, config.num_nextn_predict_layers
     target_step, mtp_step = target, mtp
     if args.graphs:  # as the served models wrap their steps
-        target_step = graphs.GraphedTarget(target, len(prompts), max(draft_counts) + 1, device)
-        mtp_step = graphs.GraphedMTP(mtp, layers, len(prompts), max(draft_counts) + layers, config.hidden_size, dtype,
-                                     device)
+        max_draft = max(draft_counts)
+        target_step = graphs.GraphedTarget(target, len(prompts), graphs.target_width(max_draft), device)
+        mtp_step = graphs.GraphedMTP(mtp, layers, len(prompts), graphs.mtp_width(max_draft, layers), config.hidden_size,
+                                     dtype, device)
     timed_target, timed_mtp = TimedStep(target_step, device), TimedStep(mtp_step, device)
     hops = InProcessHops(TargetWorker(timed_target, len(prompts), device),
                          DraftWorker(timed_mtp, layers, len(prompts), device, dtype))

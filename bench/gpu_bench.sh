@@ -148,19 +148,21 @@ say "checkpoint $checkpoint, device $device, dtype $dtype, max_seq_len $max_seq_
 
 # ---- stages ----------------------------------------------------------------------------------------
 repository=${BENCH_REPOSITORY:-$work/repository}
+export_cmd=(python -m triton_mtp.cli export --checkpoint "$checkpoint" --format "$format" "${format_args[@]}"
+            --device "$device" --dtype "$dtype" --max-slots 64 --max-seq-len "$max_seq_len"
+            --max-draft-tokens "$max_draft" --max-queue-size 256)
 if [ -z "${BENCH_REPOSITORY:-}" ]; then
-    stage export "${BENCH_EXPORT_S:-90}" python -m triton_mtp.cli export --checkpoint "$checkpoint" \
-        --repository "$repository" --format "$format" "${format_args[@]}" --device "$device" --dtype "$dtype" \
-        --max-slots 64 --max-seq-len "$max_seq_len" --max-draft-tokens "$max_draft" --max-queue-size 256
+    stage export "${BENCH_EXPORT_S:-90}" "${export_cmd[@]}" --repository "$repository"
 fi
+triton_cmd=(python -m bench.triton_bench "${common[@]}" --draft-tokens "$drafts" --concurrency "$streams" --warmup "$warmup")
 if [ -d "$repository/spec_decode" ] && [ "$device" = cuda ]; then
     stage capture "${BENCH_CAPTURE_S:-90}" python -m bench.capture_check --repository "$repository" \
         --out "$stages/capture.json"
 fi
 if [ -d "$repository/spec_decode" ]; then
     stub_path_on
-    stage triton "${BENCH_TRITON_S:-240}" python -m bench.triton_bench "${common[@]}" --repository "$repository" \
-        --out "$stages/triton.json" --server-log "$OUT/server.log" --draft-tokens "$drafts" --concurrency "$streams" --warmup "$warmup"
+    stage triton "${BENCH_TRITON_S:-240}" "${triton_cmd[@]}" --repository "$repository" --out "$stages/triton.json" \
+        --server-log "$OUT/server.log"
     stub_path_off
 else
     say "stage triton skipped: no model repository at $repository"
@@ -169,15 +171,12 @@ local_repository=$work/repository_local  # the same export with --hops local: th
 if [ -n "${BENCH_REPOSITORY:-}" ]; then
     say "stage export_local skipped: BENCH_REPOSITORY serves a given repository"
 else
-    stage export_local "${BENCH_EXPORT_S:-90}" python -m triton_mtp.cli export --checkpoint "$checkpoint" \
-        --repository "$local_repository" --hops local --format "$format" "${format_args[@]}" --device "$device" \
-        --dtype "$dtype" --max-slots 64 --max-seq-len "$max_seq_len" --max-draft-tokens "$max_draft" --max-queue-size 256
+    stage export_local "${BENCH_EXPORT_S:-90}" "${export_cmd[@]}" --repository "$local_repository" --hops local
 fi
 if [ -d "$local_repository/spec_decode" ]; then
     stub_path_on
-    stage triton_local "${BENCH_TRITON_S:-240}" python -m bench.triton_bench "${common[@]}" --repository "$local_repository" \
-        --out "$stages/triton_local.json" --server-log "$OUT/server_local.log" --draft-tokens "$drafts" \
-        --concurrency "$streams" --warmup "$warmup"
+    stage triton_local "${BENCH_TRITON_S:-240}" "${triton_cmd[@]}" --repository "$local_repository" \
+        --out "$stages/triton_local.json" --server-log "$OUT/server_local.log"
     stub_path_off
 fi
 stage standalone "${BENCH_STANDALONE_S:-75}" python -m bench.standalone "${common[@]}" --out "$stages/standalone.json" \

@@ -158,6 +158,17 @@ class _GraphedStep:
         return logits[:B, :T].clone(), out[:B, :T].clone()
 
 
+def target_width(max_draft_tokens: int) -> int:
+    """Tokens of `target`'s widest decode call: the verify window [last token, k drafts]."""
+    return max_draft_tokens + 1
+
+
+def mtp_width(max_draft_tokens: int, num_layers: int) -> int:
+    """Tokens of `mtp`'s widest decode call: a layer's first drafting call absorbs up to k + 1 accepted
+    pairs, then the num_layers - 1 chained drafts before it."""
+    return max_draft_tokens + num_layers
+
+
 class GraphedTarget(_GraphedStep):
     """target(token_ids[B, T], positions[B, T], slot_ids[B]) with graphs for B <= max_batch, T <= width."""
 

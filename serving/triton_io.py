@@ -187,7 +187,7 @@ def target_worker(directory: Path, params: dict[str, str], device: torch.device,
     """(runner, worker) of the target artifacts in `directory`, as the `target` model serves them."""
 
     def graphed(runner):
-        width = int_parameter(params, "max_draft_tokens", 1) + 1  # the verify window
+        width = graphs.target_width(int_parameter(params, "max_draft_tokens", 1))
         return graphs.GraphedTarget(runner, max_slots, width, device)
 
     runner, step = load_model_step(directory, params, device, graphed)
@@ -200,8 +200,7 @@ def draft_worker(directory: Path, params: dict[str, str], device: torch.device, 
     num_layers = int_parameter(params, "num_mtp_layers", 1)
 
     def graphed(runner):
-        # the widest decode call: k + 1 absorbed pairs, then up to num_layers - 1 chained drafts
-        width = int_parameter(params, "max_draft_tokens", 1) + num_layers
+        width = graphs.mtp_width(int_parameter(params, "max_draft_tokens", 1), num_layers)
         hidden_size = int_parameter(params, "hidden_size", 1)
         return graphs.GraphedMTP(runner, num_layers, max_slots, width, hidden_size, dtype, device)
 
@@ -209,29 +208,23 @@ def draft_worker(directory: Path, params: dict[str, str], device: torch.device, 
     return runner, DraftWorker(step, num_layers, max_slots, device, dtype)
 
 
-def engine_hops(args: dict, params: dict[str, str]) -> tuple[object, list[Callable]]:
-    """(hops, runners) of `spec_decode`: BLS calls into the `target` and `mtp` models, or, with parameter
-    `hops` local, the workers themselves in this process over the artifacts in `1/target` and `1/mtp`
-    (no process hop, no tensors through shared memory)."""
-    mode = params.get("hops", "bls")
+def engine_hops(args: dict) -> BlsHops | InProcessHops:
+    """`spec_decode`'s hops: BLS calls into the `target` and `mtp` models, or, with parameter `hops`
+    local, the workers themselves in this process over the artifacts in `1/target` and `1/mtp` (no
+    process hop, no tensors through shared memory; one rank, so there are no rank processes to stop)."""
+    mode = model_parameters(args).get("hops", "bls")
     if mode not in HOPS:
         raise ValueError(f"config.pbtxt: parameter 'hops' must be one of {', '.join(HOPS)}, got {mode!r}")
     if mode == "bls":
-        return BlsHops(), []
+        return BlsHops()
     params, device, dtype, max_slots = step_model_settings(args)
-    runners = []
-    try:
-        runner, target = target_worker(artifact_dir(args) / "target", params, device, max_slots)
-        runners.append(runner)
-        draft = None
-        if int_parameter(params, "num_mtp_layers", 0):
-            runner, draft = draft_worker(artifact_dir(args) / "mtp", params, device, dtype, max_slots)
-            runners.append(runner)
-    except BaseException:
-        for runner in runners:
-            close_model_step(runner)
-        raise
-    return InProcessHops(target, draft), runners
+    if parallel.tensor_parallel_size(params, device) > 1:
+        raise ValueError("config.pbtxt: parameter 'tensor_parallel_size' must be 1 with hops local")
+    _, target = target_worker(artifact_dir(args) / "target", params, device, max_slots)
+    draft = None
+    if int_parameter(params, "num_mtp_layers", 0):
+        _, draft = draft_worker(artifact_dir(args) / "mtp", params, device, dtype, max_slots)
+    return InProcessHops(target, draft)
 
 
 def close_model_step(runner: Callable) -> None:

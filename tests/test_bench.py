@@ -172,13 +172,14 @@ def test_v2_lite_floor_counts_the_published_parameters_per_step():
     assert bytes_touched(config, target, selected=False) / 2 / 1e9 > 15
 
 
-def test_capture_check_reports_each_model_of_a_repository(tmp_path):
+@pytest.mark.parametrize("hops", ["bls", "local"])  # the artifacts under target/ and mtp/, or inside spec_decode/
+def test_capture_check_reports_each_model_of_a_repository(tmp_path, hops):
     """On CPU nothing captures; the check still loads the format's steps, times them and says why."""
     from triton_mtp.export.repository import write_repository
 
     checkpoint = write_checkpoint(tmp_path / "checkpoint", tiny_config(), seed=0)
     write_repository(checkpoint, tmp_path / "repo", fmt="eager", max_slots=2, max_seq_len=32, max_draft_tokens=2,
-                     eager_compile=False)
+                     eager_compile=False, hops=hops, progress=False)
     out = tmp_path / "capture.json"
     done = run_module("bench.capture_check", "--repository", str(tmp_path / "repo"), "--out", str(out),
                       "--device", "cpu")

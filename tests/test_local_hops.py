@@ -6,6 +6,7 @@ the workers and their draws are the same code with the same inputs, only not beh
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 from pathlib import Path
@@ -77,8 +78,6 @@ def test_sampled_output_with_a_seed_equals_the_bls_engine(local, bls):
 
 
 def test_concurrent_streams_equal_the_same_requests_one_by_one(local):
-    import concurrent.futures
-
     requests = [dict(input_ids=p, max_tokens=20, num_draft_tokens=i % 5) for i, p in enumerate(prompts(8, seed=20))]
     alone = [local.generate(**r).ids for r in requests]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:

@@ -9,11 +9,10 @@ from triton_mtp.serving.scheduler import Scheduler
 
 class TritonPythonModel:
     def initialize(self, args):
-        params = triton_io.model_parameters(args)
-        self.limits = engine_limits(params)
+        self.limits = engine_limits(triton_io.model_parameters(args))
         tokenizer_path = triton_io.artifact_dir(args) / "tokenizer.json"
         self.tokenizer = TokenizerFile(tokenizer_path) if tokenizer_path.exists() else None
-        hops, self.runners = triton_io.engine_hops(args, params)
+        hops = triton_io.engine_hops(args)
         metrics = EngineMetrics(self.limits.max_draft_tokens, triton_io.TritonMetricSink())
         self.scheduler = Scheduler(hops, self.limits, metrics, self.tokenizer)
         self.scheduler.start()
@@ -24,5 +23,3 @@ class TritonPythonModel:
 
     def finalize(self):
         self.scheduler.stop()
-        for runner in self.runners:
-            triton_io.close_model_step(runner)
