@@ -3,7 +3,8 @@
 For each repository (format and sizes from its export manifest) and each of `target` and `mtp`: run
 the batch-1 decode call once under `torch.cuda.set_sync_debug_mode("error")` (an op that synchronizes
 with the host, which no capture can hold, raises there, named), build `GraphedTarget` / `GraphedMTP`
-as the served models do, check every graph against eager, and time the batch-1 call graphed and eager.
+as the served models do, check every graph against eager, and time the batch-1 call graphed (for
+`target`, with greedy verification) and eager.
 Each repository runs in a fresh process: a failed capture can leave the CUDA context unusable.
 
     python -m bench.capture_check --repository DIR [--repository DIR ...] --out capture.json
@@ -22,6 +23,7 @@ from .common import environment, step_time
 from triton_mtp.export.graphs import load_step
 from triton_mtp.export.repository import MANIFEST
 from triton_mtp.serving import graphs
+from triton_mtp.serving.workers import verify_window
 
 REPEATS = 200  # timed calls per step
 
@@ -50,26 +52,28 @@ def check(repository: Path, device: torch.device) -> dict:
     manifest = _manifest(repository)
     fmt, max_slots, max_draft = manifest["format"], manifest["sizes"]["max_slots"], manifest["sizes"]["max_draft_tokens"]
     artifacts = manifest["artifacts"]  # under target/1 and mtp/1, or spec_decode/1 with local hops
-    target = load_step(repository / artifacts["target"], fmt, device, compile=False)  # as a graphed model loads
-    mtp = load_step(repository / artifacts["mtp_0"], fmt, device, compile=False)  # every mtp_<i> beside it
+    target = load_step(repository / artifacts["target"], fmt, device)  # compiled or not, as exported
+    mtp = load_step(repository / artifacts["mtp_0"], fmt, device)  # every mtp_<i> beside it
     layers = len(mtp.graphs)
     one = torch.ones(1, 1, dtype=torch.long, device=device)  # [1, 1]
     slot = torch.zeros(1, dtype=torch.long, device=device)  # [1]
     _, hidden = target(one, -one, slot)  # [1, 1, H]
+    no_drafts = torch.zeros(1, dtype=torch.long, device=device)  # [1]
     builds = {
         "target": (target, [one, -one, slot],
-                   lambda: graphs.GraphedTarget(target, max_slots, graphs.target_width(max_draft), device)),
+                   lambda: graphs.GraphedTarget(verify_window(target), max_slots, graphs.target_width(max_draft), device),
+                   [one, -one, slot, no_drafts, 0]),
         "mtp": (mtp, [one, torch.zeros_like(hidden), -one, slot],
                 lambda: graphs.GraphedMTP(mtp, layers, max_slots, graphs.mtp_width(max_draft, layers), hidden.shape[-1],
-                                          hidden.dtype, device)),
+                                          hidden.dtype, device), None),
     }
     result = {"format": fmt}
-    for name, (runner, inputs, build) in builds.items():
+    for name, (runner, inputs, build, graphed_inputs) in builds.items():
         entry = {"host_sync": _sync_error(runner, inputs), "eager_ms": step_time(runner, inputs, device, REPEATS) * 1e3}
         try:
             graphed = build()
             graphed.check_against_eager()
-            entry.update(captured=True, graphed_ms=step_time(graphed, inputs, device, REPEATS) * 1e3)
+            entry.update(captured=True, graphed_ms=step_time(graphed, graphed_inputs or inputs, device, REPEATS) * 1e3)
         except Exception as exc:  # noqa: BLE001 - the outcome is the measurement
             entry.update(captured=False, error=f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
         result[name] = entry

@@ -1,22 +1,25 @@
 """Where an engine step's time goes, without Triton: the model calls against everything else.
 
 Runs the continuous-batching engine in process (`InProcessHops`: the same workers `target` and `mtp`
-run in the server) over held-out prompts of the checkpoint, greedy, and times each model call. The
-rest of a step is the engine's own work: building batches, sampling and verification, emitting.
+run in the server) over held-out prompts of the checkpoint, greedy, and times the two calls of a step:
+the target with greedy verification (`verify_window`) and the drafting chain (`draft_chain`). The
+rest of a step is the engine's own work: building batches, moving them, emitting.
 That rest is paid on every step whatever the device, so it bounds the step once the model calls are
 captured graphs.
 
     python -m bench.engine_overhead --checkpoint models/tiny-dsv3-mtp [--device cpu --prompts 4 \\
         --prompt-tokens 64 --max-tokens 64 --draft-tokens 0,3 --out overhead.json]
 
---graphs (CUDA) wraps the model calls in the decode graphs the served models replay
-(`serving.graphs.GraphedTarget` / `GraphedMTP`); --profile FILE writes torch.profiler's table of the
-ops of the last k's run, by self CPU time: what the host spends per step besides the replays.
+--graphs (CUDA) wraps the worker calls in the decode graphs the served models replay
+(`serving.graphs.GraphedTarget` / `GraphedMTP` / `GraphedDraftChain`); --compile puts the model steps
+through torch.compile first (inside the graphs, with --graphs); --profile FILE writes torch.profiler's
+table of the ops of the last k's run, by self CPU time: what the host spends per step besides the replays.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import time
 from pathlib import Path
 
@@ -26,7 +29,7 @@ from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.serving import graphs
 from triton_mtp.serving.requests import EngineLimits, GenerationRequest, TokenizerFile, default_limits
 from triton_mtp.serving.scheduler import Scheduler
-from triton_mtp.serving.workers import DraftWorker, InProcessHops, TargetWorker
+from triton_mtp.serving.workers import DraftWorker, InProcessHops, TargetWorker, draft_chain, verify_window
 from triton_mtp.train.acceptance import held_out_prompts
 
 from .common import environment, synchronize, write_result
@@ -59,17 +62,24 @@ def run(args: argparse.Namespace) -> dict:
                           max_draft_tokens=max(draft_counts), default_num_draft_tokens=0, eos_token_id=-1,
                           max_queue_size=len(prompts), **default_limits(max_seq_len))
     dtype, layers = target.lm_head.weight.dtype, config.num_nextn_predict_layers
-    target_step, mtp_step = target, mtp
+    if args.compile:  # as the eager format loads its steps
+        target, mtp = torch.compile(target, dynamic=True), torch.compile(mtp, dynamic=True)
+    window, mtp_step = verify_window(target), mtp
+    chain = fallback = functools.partial(draft_chain, mtp, layers)
     if args.graphs:  # as the served models wrap their steps
         max_draft = max(draft_counts)
-        target_step = graphs.GraphedTarget(target, len(prompts), graphs.target_width(max_draft), device)
+        window = graphs.GraphedTarget(window, len(prompts), graphs.target_width(max_draft), device)
         mtp_step = graphs.GraphedMTP(mtp, layers, len(prompts), graphs.mtp_width(max_draft, layers), config.hidden_size,
                                      dtype, device)
-    timed_target, timed_mtp = TimedStep(target_step, device), TimedStep(mtp_step, device)
+        fallback = functools.partial(draft_chain, mtp_step, layers)
+        chain = graphs.GraphedDraftChain(chain, fallback, max_draft, len(prompts), graphs.target_width(max_draft),
+                                         config.hidden_size, dtype, device)
+    timed_target, timed_mtp = TimedStep(window, device), TimedStep(chain, device)  # greedy: every MTP call is in the chain
     hops = InProcessHops(TargetWorker(timed_target, len(prompts), device),
-                         DraftWorker(timed_mtp, layers, len(prompts), device, dtype))
+                         DraftWorker(mtp_step, layers, len(prompts), device, dtype, greedy=timed_mtp))
     results = {"benchmark": "engine_overhead", "device": str(device), "dtype": args.dtype, "prompts": len(prompts),
                "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "graphs": args.graphs,
+               "compile": args.compile,
                "environment": environment(), "runs": {}}
     handle = _Drop()
     for k in draft_counts:
@@ -129,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--draft-tokens", default="0,3", help="comma-separated k values (0 = plain)")
     parser.add_argument("--graphs", action="store_true", help="replay the model calls from decode graphs (CUDA)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile(dynamic=True) the model steps, as the eager format loads them")
     parser.add_argument("--profile", help="write the op table of the last k's run to this file")
     parser.add_argument("--out", help="result JSON file")
     args = parser.parse_args(argv)

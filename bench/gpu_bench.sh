@@ -5,9 +5,11 @@
 #
 # Run from the repository root. Stages, each under its own time limit; a stage that fails or runs out
 # of time is logged and the others still run:
-#   export      triton-mtp export of the checkpoint into a model repository (BENCH_FORMAT; on a GPU eager
-#               --no-compile: eager modules whose decode calls the served models replay from CUDA graphs;
-#               on CPU torchscript)
+#   engine      (on a GPU) bench/engine_overhead.py, the engine in process with its decode graphs, 1 and 32
+#               prompts, k = 0 and 3, model steps compiled and not: $OUT/engine/
+#   export      triton-mtp export of the checkpoint into a model repository (BENCH_FORMAT; on a GPU eager,
+#               whose decode calls the served models replay from CUDA graphs, over torch.compile'd steps
+#               with BENCH_COMPILE=1, else --no-compile; on CPU torchscript)
 #   capture     bench/capture_check.py (on a GPU): whether the served decode graphs capture over the exported
 #               artifacts outside Triton, and their batch-1 call time
 #   triton      bench/triton_bench.py against an embedded tritonserver: batch 1 plain and k=1..4, then the
@@ -29,7 +31,8 @@
 # serving/server.py looks) and wheels/ (tritonclient, python-rapidjson, numpy 1.26.4; into --target dirs). The Python backend stub sees neither PYTHONPATH nor numpy < 2, so while the triton stage
 # runs a .pth file in this interpreter's site-packages puts numpy 1.26 and the shim first on its path.
 #
-# BENCH_SKIP="STAGE ...": leave those stages out (their results then come from an earlier run).
+# BENCH_SKIP="STAGE ...": leave those stages out (their results then come from an earlier run);
+# BENCH_ONLY="STAGE ...": run only those.
 # BENCH_SMOKE=1: tiny sizes on CPU (fp32, eager, 2 prompts of 16 tokens, k=1,2, streams 1,2; a synthetic
 # checkpoint when none is given) so the whole script is known to run. BENCH_REPOSITORY=<dir> serves an
 # existing repository instead of exporting. BENCH_FORMAT picks the export format.
@@ -110,7 +113,7 @@ fi
 checkpoint=${checkpoint:-$repo/models/tiny-dsv3-mtp}
 format=${BENCH_FORMAT:-$default_format}
 format_args=()
-[ "$format" = eager ] && format_args=(--no-compile)  # eager modules, decode steps replayed from CUDA graphs
+[ "$format" = eager ] && [ "${BENCH_COMPILE:-0}" != 1 ] && format_args=(--no-compile)  # graphs of uncompiled steps
 max_draft=${drafts##*,}
 max_seq_len=$((prompt_tokens + max_tokens + max_draft + 1))
 common=(--checkpoint "$checkpoint" --prompts "$prompts" --prompt-tokens "$prompt_tokens" --max-tokens "$max_tokens")
@@ -119,8 +122,8 @@ common=(--checkpoint "$checkpoint" --prompts "$prompts" --prompt-tokens "$prompt
 stage() {  # stage NAME SECONDS CMD...: run under a time limit (cut to what the deadline leaves), log, report
     local name=$1 seconds=$2
     shift 2
-    if [[ " ${BENCH_SKIP:-} " == *" $name "* ]]; then
-        say "stage $name skipped: in BENCH_SKIP"
+    if [[ " ${BENCH_SKIP:-} " == *" $name "* ]] || { [ -n "${BENCH_ONLY:-}" ] && [[ " $BENCH_ONLY " != *" $name "* ]]; }; then
+        say "stage $name skipped: BENCH_SKIP / BENCH_ONLY"
         return 1
     fi
     [ "$limit" -gt 0 ] && seconds=$limit
@@ -147,6 +150,16 @@ PY
 say "checkpoint $checkpoint, device $device, dtype $dtype, max_seq_len $max_seq_len"
 
 # ---- stages ----------------------------------------------------------------------------------------
+if [ "$device" = cuda ]; then  # the engine in process, graphed: per batch size, model steps compiled or not
+    mkdir -p "$OUT/engine"
+    for b in 1 32; do
+        for compiled in "" --compile; do
+            stage engine "${BENCH_ENGINE_S:-120}" python -m bench.engine_overhead --checkpoint "$checkpoint" \
+                --device cuda --dtype "$dtype" --graphs $compiled --prompts "$b" --prompt-tokens "$prompt_tokens" \
+                --max-tokens "$max_tokens" --draft-tokens 0,3 --out "$OUT/engine/graphs${compiled:+_compiled}_b$b.json"
+        done
+    done
+fi
 repository=${BENCH_REPOSITORY:-$work/repository}
 export_cmd=(python -m triton_mtp.cli export --checkpoint "$checkpoint" --format "$format" "${format_args[@]}"
             --device "$device" --dtype "$dtype" --max-slots 64 --max-seq-len "$max_seq_len"

@@ -9,15 +9,22 @@ padded to (bucket(B), W) and replayed from a graph captured at load; larger call
 run eager. Padding is harmless: padded tokens carry position -1, which
 writes the pool's scratch position and is never attended (export/mla.py), and padded rows use slot 0.
 
+A graph holds as much of a worker's call as is a function of tensors, not just the model: `target`'s
+holds greedy verification (`workers.verify_window`), and argmax drafting is one graph per draft count
+K (`workers.draft_chain`, its K MTP calls and the ops between them), so a greedy decode step launches
+two graphs and few kernels besides. Sampled steps draw between calls and replay the per-layer `mtp`
+graphs.
+
 Graphs of one wrapper share one memory pool for their intermediates (captured largest first): they
-never run at once, and outputs are cloned out before the next replay. Each bucket keeps its own static
-inputs and outputs, about 4 · b · W · (V + H) bytes per bucket b: for a 129k vocabulary, 64 slots and
-W = 5, about 350 MB for the target's buckets together.
+never run at once, and callers read the outputs before the next replay. Each bucket keeps its own
+static inputs and outputs, about 4 · b · W · (V + H) bytes per bucket b: for a 129k vocabulary, 64
+slots and W = 5, about 350 MB for the target's buckets together.
 """
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -79,8 +86,23 @@ def batch_buckets(max_batch: int) -> list[int]:
     return [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
 
 
+@dataclass(frozen=True)
+class _Input:
+    """One static input of a graph family: [b] per row, or [b, W] per token ([b, W, H] for a hidden state)."""
+
+    dtype: torch.dtype | None = torch.long  # None: a hidden state, [b, W, H] of the wrapper's (H, dtype)
+    per_token: bool = True
+    pad: int | None = 0  # value of padding entries; None: stale values (padded rows' outputs are dropped)
+
+
+TOKEN_IDS, POSITIONS, HIDDEN = _Input(), _Input(pad=-1), _Input(None, pad=None)
+SLOT_IDS = NUM_DRAFT = _Input(per_token=False)  # padded rows: slot 0, no drafts
+
+
 class _GraphedStep:
     """Pads fitting calls to a bucket and replays its graph; `key` selects among graph families."""
+
+    inputs: tuple[_Input, ...]
 
     def __init__(self, step: Step, max_batch: int, width: int, device: torch.device,
                  keys: Sequence[int | None], hidden: tuple[int, torch.dtype] | None,
@@ -102,60 +124,71 @@ class _GraphedStep:
     def _bound(self, key: int | None) -> Step:
         raise NotImplementedError
 
+    def _checked(self, key: int | None, inputs: list[torch.Tensor]) -> None:
+        """Set what the check needs beyond token ids 1 and random hidden states (in place)."""
+
     def check_against_eager(self, tolerance: float = 5e-2) -> None:
-        """Replay every graph on inputs unlike its capture example and compare its logits with the eager step's.
+        """Replay every graph on inputs unlike its capture example and compare its first output with the
+        eager step's (logits: by relative error; ids: exactly).
 
         Token ids 1 (and random hidden states) rather than the capture's zeros, so a graph that captured
         nothing (it would return the capture-time outputs) fails. Every position is -1: the check writes
-        only the scratch position and leaves the KV pool as it found it. RuntimeError with the relative
-        error when a graph disagrees.
+        only the scratch position and leaves the KV pool as it found it. RuntimeError naming the graph
+        when one disagrees.
         """
         generator = torch.Generator(device=self.device).manual_seed(0)
         with self.on_device():
             for (key, b), replay in self.graphs.items():
                 inputs = self._example(b)
                 inputs[0].fill_(1)
-                if self.hidden is not None:
-                    inputs[1].normal_(generator=generator)
+                for spec, x in zip(self.inputs, inputs):
+                    if spec.dtype is None:
+                        x.normal_(generator=generator)
+                self._checked(key, inputs)
                 with torch.no_grad():
-                    expected = self._bound(key)(*inputs)[0].float()  # [b, W, V]
-                got = replay(*inputs)[0].float()  # [b, W, V]
-                error = float((got - expected).abs().max() / expected.abs().max().clamp(min=1e-6))
-                if not error <= tolerance:
-                    raise RuntimeError(f"CUDA graph of {'target' if key is None else f'mtp layer {key}'} (batch {b}) "
-                                       f"differs from eager: max relative error {error:.2e} > {tolerance:.0e}")
+                    expected = self._bound(key)(*inputs)[0]
+                got = replay(*inputs)[0]
+                if expected.is_floating_point():
+                    error = float((got.float() - expected.float()).abs().max() / expected.float().abs().max().clamp(min=1e-6))
+                    wrong = f"max relative error {error:.2e} > {tolerance:.0e}" if not error <= tolerance else ""
+                else:
+                    wrong = "" if torch.equal(got, expected) else f"{int((got != expected).sum())} ids differ"
+                if wrong:
+                    raise RuntimeError(f"CUDA graph of {self._name(key)} (batch {b}) differs from eager: {wrong}")
+
+    def _name(self, key: int | None) -> str:
+        raise NotImplementedError
 
     def _example(self, b: int) -> list[torch.Tensor]:
         """Inputs of bucket b: every token padding (position -1), as a padded call sends them."""
-        token_ids = torch.zeros(b, self.width, dtype=torch.long, device=self.device)  # [b, W]
-        positions = torch.full((b, self.width), -1, dtype=torch.long, device=self.device)  # [b, W]
-        slot_ids = torch.zeros(b, dtype=torch.long, device=self.device)  # [b]
-        if self.hidden is None:
-            return [token_ids, positions, slot_ids]
-        size, dtype = self.hidden
-        return [token_ids, torch.zeros(b, self.width, size, dtype=dtype, device=self.device), positions, slot_ids]
+        examples = []
+        for spec in self.inputs:
+            shape = (b, self.width) if spec.per_token else (b,)
+            if spec.dtype is None:
+                size, dtype = self.hidden
+                examples.append(torch.zeros(*shape, size, dtype=dtype, device=self.device))
+            else:
+                examples.append(torch.full(shape, spec.pad, dtype=spec.dtype, device=self.device))
+        return examples
 
     def _fits(self, token_ids: torch.Tensor) -> bool:
         B, T = token_ids.shape
         return 0 < B <= self.buckets[-1] and T <= self.width
 
-    def _replay(self, key: int | None, token_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
-                hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pad to the smallest bucket >= B and width W, replay, and return copies of the real rows."""
-        B, T = token_ids.shape
+    def _replay(self, key: int | None, given: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Pad to the smallest bucket >= B and width W and replay: the graph's own output buffers, whose
+        first B rows are the call's."""
+        B, T = given[0].shape
         graph = self.graphs[key, next(size for size in self.buckets if size >= B)]
-        static = graph.inputs  # token_ids [b, W], (hidden [b, W, H],) positions [b, W], slot_ids [b]
-        static[0].zero_()
-        static[0][:B, :T] = token_ids
-        static[-2].fill_(-1)
-        static[-2][:B, :T] = positions
-        static[-1].zero_()
-        static[-1][:B] = slot_ids
-        if hidden is not None:
-            static[1][:B, :T] = hidden  # padded rows keep stale values: their outputs are dropped
+        for spec, static, x in zip(self.inputs, graph.inputs, given):
+            if spec.pad is not None:
+                static.fill_(spec.pad)
+            if spec.per_token:
+                static[:B, :T] = x
+            else:
+                static[:B] = x
         with self.on_device():
-            logits, out = graph.replay()  # [b, W, V], [b, W, H]
-        return logits[:B, :T].clone(), out[:B, :T].clone()
+            return graph.replay()
 
 
 def target_width(max_draft_tokens: int) -> int:
@@ -170,24 +203,41 @@ def mtp_width(max_draft_tokens: int, num_layers: int) -> int:
 
 
 class GraphedTarget(_GraphedStep):
-    """target(token_ids[B, T], positions[B, T], slot_ids[B]) with graphs for B <= max_batch, T <= width."""
+    """A `workers.verify_window` step with graphs for B <= max_batch rows of T <= width tokens.
 
-    def __init__(self, step: Step, max_batch: int, width: int, device: torch.device,
+    A graph holds the target call and greedy verification (window width - 1 drafts, wider than a call's
+    K is harmless: `verify_window`), so a greedy decode step launches one graph. The outputs are the
+    graph's buffers (the first B rows, K + 1 columns): read them before the next call.
+    """
+
+    inputs = (TOKEN_IDS, POSITIONS, SLOT_IDS, NUM_DRAFT)
+
+    def __init__(self, window: Step, max_batch: int, width: int, device: torch.device,
                  graph: Callable[..., Step] = CapturedStep) -> None:
-        super().__init__(step, max_batch, width, device, [None], None, graph)
+        super().__init__(window, max_batch, width, device, [None], None, graph)
 
     def _bound(self, key: int | None) -> Step:
-        return self.step
+        return lambda token_ids, positions, slot_ids, num_draft: self.step(token_ids, positions, slot_ids, num_draft,
+                                                                           self.width - 1)
 
-    def __call__(self, token_ids: torch.Tensor, positions: torch.Tensor,
-                 slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _name(self, key: int | None) -> str:
+        return "target"
+
+    def __call__(self, token_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
+                 num_draft: torch.Tensor, K: int) -> tuple[torch.Tensor, ...]:
         if not self._fits(token_ids):
-            return self.step(token_ids, positions, slot_ids)
-        return self._replay(None, token_ids, positions, slot_ids)
+            return self.step(token_ids, positions, slot_ids, num_draft, K)
+        B, T = token_ids.shape
+        window_logits, draft_ids, num_accepted, output_ids, logprobs, hidden = self._replay(
+            None, (token_ids, positions, slot_ids, num_draft))
+        return (window_logits[:B, : K + 1], draft_ids[:B, :K], num_accepted[:B], output_ids[:B, : K + 1],
+                logprobs[:B, : K + 1], hidden[:B, :T])
 
 
 class GraphedMTP(_GraphedStep):
     """mtp(token_ids, hidden, positions, slot_ids, layer) with graphs per MTP layer for fitting calls."""
+
+    inputs = (TOKEN_IDS, HIDDEN, POSITIONS, SLOT_IDS)
 
     def __init__(self, step: Step, num_layers: int, max_batch: int, width: int, hidden_size: int,
                  hidden_dtype: torch.dtype, device: torch.device, graph: Callable[..., Step] = CapturedStep) -> None:
@@ -197,11 +247,47 @@ class GraphedMTP(_GraphedStep):
     def _bound(self, key: int | None) -> Step:
         return lambda token_ids, hidden, positions, slot_ids: self.step(token_ids, hidden, positions, slot_ids, key)
 
+    def _name(self, key: int | None) -> str:
+        return f"mtp layer {key}"
+
     def __call__(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
                  layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         if not self._fits(token_ids):
             return self.step(token_ids, hidden, positions, slot_ids, layer)
-        return self._replay(layer % self.num_layers, token_ids, positions, slot_ids, hidden)
+        B, T = token_ids.shape
+        logits, out = self._replay(layer % self.num_layers, (token_ids, hidden, positions, slot_ids))  # [b, W, V], [b, W, H]
+        return logits[:B, :T].clone(), out[:B, :T].clone()  # the drafting chain keeps them across calls
+
+
+class GraphedDraftChain(_GraphedStep):
+    """`workers.draft_chain` with argmax drafts (chain(token_ids, hidden, positions, slot_ids, num_draft, K)),
+    one graph per draft count K <= max_draft and bucket: a greedy drafting step launches one graph
+    instead of K graphs and the ops between them. Calls that do not fit (prompt absorption) run
+    `fallback`. The output is the graph's buffer: read it before the next call."""
+
+    inputs = (TOKEN_IDS, HIDDEN, POSITIONS, SLOT_IDS, NUM_DRAFT)
+
+    def __init__(self, chain: Callable[..., torch.Tensor], fallback: Callable[..., torch.Tensor], max_draft: int,
+                 max_batch: int, width: int, hidden_size: int, hidden_dtype: torch.dtype, device: torch.device,
+                 graph: Callable[..., Step] = CapturedStep) -> None:
+        super().__init__(chain, max_batch, width, device, range(1, max_draft + 1), (hidden_size, hidden_dtype), graph)
+        self.fallback, self.max_draft = fallback, max_draft
+
+    def _bound(self, key: int | None) -> Step:
+        return lambda *inputs: (self.step(*inputs, key),)
+
+    def _checked(self, key: int | None, inputs: list[torch.Tensor]) -> None:
+        inputs[-1].fill_(key)  # every row drafts all K: positions stay -1, nothing but scratch is written
+
+    def _name(self, key: int | None) -> str:
+        return f"the drafting chain (K={key})"
+
+    def __call__(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
+                 num_draft: torch.Tensor, K: int) -> torch.Tensor:
+        if not (self._fits(token_ids) and 1 <= K <= self.max_draft):
+            return self.fallback(token_ids, hidden, positions, slot_ids, num_draft, K)
+        (draft_ids,) = self._replay(K, (token_ids, hidden, positions, slot_ids, num_draft))  # [b, K]
+        return draft_ids[: token_ids.shape[0]]
 
 
 def with_decode_graphs(build: Callable[[], _GraphedStep], step: Step, log: Callable[[str], None]) -> Step:

@@ -18,7 +18,8 @@ from triton_mtp.serving.requests import (
     EngineLimits, GenerationResponse, QueueFull, RequestError, Tokenizer, int_parameter, parse_request,
 )
 from triton_mtp.serving.workers import (
-    DraftBatch, DraftResult, DraftWorker, InProcessHops, TargetBatch, TargetResult, TargetWorker,
+    DraftBatch, DraftResult, DraftWorker, InProcessHops, TargetBatch, TargetResult, TargetWorker, draft_chain,
+    verify_window,
 )
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -168,18 +169,17 @@ def log(message: str) -> None:
 
 
 def load_model_step(directory: Path, params: dict[str, str], device: torch.device,
-                    graphed: Callable[[Callable], graphs.Step]) -> tuple[Callable, Callable]:
+                    graphed: Callable[[Callable], graphs.Step],
+                    eager: Callable[[Callable], graphs.Step] = lambda runner: runner) -> tuple[Callable, Callable]:
     """(runner, step) of a `target` / `mtp` model: the exported graphs in `directory`, sharded over
-    `tensor_parallel_size` ranks, and the step the worker calls, `graphed(runner)` when the model
-    captures decode graphs (falling back to the runner, with a log line, if that fails)."""
+    `tensor_parallel_size` ranks, and the step the worker calls: `graphed(runner)` when the model
+    captures decode graphs, else (or if that fails, with a log line) `eager(runner)`."""
     world_size = parallel.tensor_parallel_size(params, device)
     wanted = graphs.graphs_wanted(params, device, world_size)
-    # graphed, the decode calls launch nothing from Python: torch.compile would only slow the load
-    runner = parallel.load_parallel_step(directory, params["format"], device, world_size,
-                                         compile=False if wanted else None)
+    runner = parallel.load_parallel_step(directory, params["format"], device, world_size)
     if not wanted:
-        return runner, runner
-    return runner, graphs.with_decode_graphs(lambda: graphed(runner), runner, log)
+        return runner, eager(runner)
+    return runner, graphs.with_decode_graphs(lambda: graphed(runner), eager(runner), log)
 
 
 def target_worker(directory: Path, params: dict[str, str], device: torch.device,
@@ -188,24 +188,38 @@ def target_worker(directory: Path, params: dict[str, str], device: torch.device,
 
     def graphed(runner):
         width = graphs.target_width(int_parameter(params, "max_draft_tokens", 1))
-        return graphs.GraphedTarget(runner, max_slots, width, device)
+        return graphs.GraphedTarget(verify_window(runner), max_slots, width, device)
 
-    runner, step = load_model_step(directory, params, device, graphed)
-    return runner, TargetWorker(step, max_slots, device)
+    runner, window = load_model_step(directory, params, device, graphed, verify_window)
+    return runner, TargetWorker(window, max_slots, device)
 
 
 def draft_worker(directory: Path, params: dict[str, str], device: torch.device, dtype: torch.dtype,
                  max_slots: int) -> tuple[Callable, DraftWorker]:
-    """(runner, worker) of the MTP artifacts in `directory`, as the `mtp` model serves them."""
+    """(runner, worker) of the MTP artifacts in `directory`, as the `mtp` model serves them: per-layer
+    graphs for sampled drafting and prompt absorption, and argmax drafting graphed whole."""
     num_layers = int_parameter(params, "num_mtp_layers", 1)
+    max_draft = int_parameter(params, "max_draft_tokens", 1)
+    hidden_size = int_parameter(params, "hidden_size", 1)
 
     def graphed(runner):
-        width = graphs.mtp_width(int_parameter(params, "max_draft_tokens", 1), num_layers)
-        hidden_size = int_parameter(params, "hidden_size", 1)
+        width = graphs.mtp_width(max_draft, num_layers)
         return graphs.GraphedMTP(runner, num_layers, max_slots, width, hidden_size, dtype, device)
 
     runner, step = load_model_step(directory, params, device, graphed)
-    return runner, DraftWorker(step, num_layers, max_slots, device, dtype)
+    greedy = None
+    if step is not runner:  # graphed: the whole argmax chain too
+
+        def chain(*inputs):
+            return draft_chain(runner, num_layers, *inputs)
+
+        def fallback(*inputs):
+            return draft_chain(step, num_layers, *inputs)
+
+        greedy = graphs.with_decode_graphs(
+            lambda: graphs.GraphedDraftChain(chain, fallback, max_draft, max_slots, graphs.target_width(max_draft),
+                                             hidden_size, dtype, device), fallback, log)
+    return runner, DraftWorker(step, num_layers, max_slots, device, dtype, greedy)
 
 
 def engine_hops(args: dict) -> BlsHops | InProcessHops:

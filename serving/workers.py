@@ -30,6 +30,10 @@ from triton_mtp.serving.sampling import SamplingParams, row_generator, sample, t
 
 TargetStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 MTPStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+# (token_ids, positions, slot_ids, num_draft, K) -> (window_logits, draft_ids, num_accepted, output_ids, logprobs, hidden)
+WindowStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, ...]]
+# (token_ids, hidden, positions, slot_ids, num_draft, K) -> draft_ids [B, K]
+ChainStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 def packed_copy(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -46,6 +50,91 @@ def packed_copy(tensors: list[torch.Tensor], device: torch.device) -> list[torch
         buffer[offset: offset + size].view(t.dtype).view(t.shape).copy_(t)  # any strides: written through the dtype
     moved = buffer.to(device)
     return [moved[offset: offset + size].view(t.dtype).view(t.shape) for t, offset, size in zip(tensors, offsets, sizes)]
+
+
+def emitted_logprobs(window_logits: torch.Tensor, output_ids: torch.Tensor) -> torch.Tensor:
+    """[B, K+1] log p(output token) under the unprocessed target; 0 past the emitted tokens (id -1)."""
+    logprobs = window_logits.log_softmax(-1).gather(-1, output_ids.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(output_ids >= 0, logprobs, 0.0)
+
+
+def verify_window(target: TargetStep) -> WindowStep:
+    """The target call and everything after it that needs no draws, as one function of tensors
+    (the decode graphs capture it whole):
+
+    window(token_ids [B, T], positions [B, T], slot_ids [B], num_draft [B], K) returns
+    window_logits [B, K+1, V] (each row's logits from the token before its drafts on), draft_ids [B, K],
+    greedy verification's num_accepted [B] and output_ids [B, K+1] with their logprobs [B, K+1], and
+    hidden [B, T, H] float32. Columns past a row's own num_draft are padding: a wider K changes none
+    of the rest.
+    """
+
+    def window(token_ids, positions, slot_ids, num_draft, K):
+        logits, hidden = target(token_ids, positions, slot_ids)  # [B, T, V], [B, T, H]
+        B, T, V = logits.shape
+        length = (positions >= 0).sum(1)  # [B] valid tokens per row
+        first = length - 1 - num_draft  # [B] index of the token before the drafts
+        index = (first.view(B, 1) + torch.arange(K + 1, device=logits.device)).clamp(0, T - 1)  # [B, K+1]
+        window_logits = logits.gather(1, index.unsqueeze(-1).expand(B, K + 1, V))  # [B, K+1, V]
+        draft_ids = token_ids.gather(1, index[:, 1:])  # [B, K]
+        num_accepted, output_ids = verify_greedy(window_logits.argmax(-1), draft_ids, num_draft)  # [B], [B, K+1]
+        logprobs = emitted_logprobs(window_logits, output_ids)  # [B, K+1]
+        return window_logits, draft_ids, num_accepted, output_ids, logprobs, hidden.float()
+
+    return window
+
+
+def draft_chain(mtp: MTPStep, num_layers: int, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                slot_ids: torch.Tensor, num_draft: torch.Tensor, K: int,
+                pick: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """draft_ids [B, K] (0 past num_draft[b]): absorb the pairs (token_ids [B, T], hidden [B, T, H] in the
+    MTP's dtype, positions [B, T], -1 = padding) into the MTP caches, then draft K tokens per row.
+
+    `pick(step, logits [B, V]) -> token [B]` chooses each draft; None is argmax, which keeps the whole
+    chain a function of tensors (the decode graphs capture it). A row of padding only (no valid
+    position, num_draft 0) writes nothing but the scratch position.
+    """
+    B = slot_ids.shape[0]
+    last = ((positions >= 0).sum(1) - 1).clamp(min=0)  # [B] index of the last absorbed pair
+    base = positions.gather(1, last.view(B, 1))  # [B, 1] its position; -1 for a row of padding
+    # Every layer a row drafts with must cover every position up to `base`. Layer 0 absorbs now and its
+    # last row drafts token 1. Layer l >= 1 first drafts at chain step l and absorbs in that same call
+    # (the absorbed pairs, then its chain pairs). A layer l >= K is skipped: a row's draft count never
+    # grows, so no row of this batch drafts with it again. One MTP call per draft token.
+    deferred = set(range(1, min(num_layers, K)))
+    logits, out = mtp(token_ids, hidden, positions, slot_ids, 0)  # [B, T, V], [B, T, H]
+    rows = torch.arange(B, device=slot_ids.device)  # [B]
+    logits, out = logits[rows, last], out[rows, last]  # [B, V], [B, H] from layer 0: draft 1
+
+    drafts = []
+    chain_tokens, chain_hidden = [], []  # pairs for positions base+1, base+2, ...
+    written = [0] * num_layers  # per layer: chain pairs already in its cache
+    for step in range(K):
+        token = logits.argmax(-1) if pick is None else pick(step, logits)  # [B]
+        drafts.append(token)
+        if step + 1 == K:
+            break
+        chain_tokens.append(token)
+        chain_hidden.append(out)
+        layer = (step + 1) % num_layers
+        # Write the chain pairs this layer has not seen yet, up to position base + step + 1.
+        start = written[layer]
+        tokens = torch.stack(chain_tokens[start:], 1)  # [B, n]
+        pairs_hidden = torch.stack(chain_hidden[start:], 1)  # [B, n, H]
+        offsets = torch.arange(start + 1, step + 2, device=base.device)  # [n]
+        drafting = (num_draft.view(B, 1) > step + 1) & (base >= 0)  # [B, 1] done rows and padding write nothing
+        chain_positions = torch.where(drafting, base + offsets, -1)  # [B, n]
+        if layer in deferred:  # the absorbed pairs first; padding between them writes only scratch
+            deferred.discard(layer)
+            tokens = torch.cat([token_ids, tokens], 1)  # [B, T + n]
+            pairs_hidden = torch.cat([hidden, pairs_hidden], 1)  # [B, T + n, H]
+            chain_positions = torch.cat([positions, chain_positions], 1)  # [B, T + n]
+        logits, out = mtp(tokens, pairs_hidden, chain_positions, slot_ids, layer)  # [B, n, V], [B, n, H]
+        logits, out = logits[:, -1], out[:, -1]  # [B, V], [B, H]
+        written[layer] = step + 1
+    draft_ids = torch.stack(drafts, 1)  # [B, K]
+    keep = torch.arange(K, device=draft_ids.device) < num_draft.view(B, 1)  # [B, K]
+    return torch.where(keep, draft_ids, 0)
 
 
 class _Payload:
@@ -169,37 +258,33 @@ def _check_slots(slot_ids: torch.Tensor, max_slots: int) -> None:
 
 
 class TargetWorker:
-    """Verifies drafts (and prefills prompts) for all rows with one target call."""
+    """Verifies drafts (and prefills prompts) for all rows with one target call.
 
-    def __init__(self, target: TargetStep, max_slots: int, device: torch.device | str = "cpu") -> None:
-        self._target = target
+    `window` is `verify_window(target)` or the decode graphs of it (serving/graphs.py).
+    """
+
+    def __init__(self, window: WindowStep, max_slots: int, device: torch.device | str = "cpu") -> None:
+        self._window = window
         self._max_slots = max_slots
         self._device = torch.device(device)
         self._generators = _Generators(max_slots, self._device)
 
     @torch.no_grad()
     def verify(self, batch: TargetBatch) -> TargetResult:
+        """The result's tensors may be the decode graph's buffers: read them before the next call."""
         # Decisions on the host copies, before the batch moves: no device sync for them.
         _check_slots(batch.slot_ids, self._max_slots)
-        generators = self._generators.rows(batch.slot_ids, batch.seeds, batch.new)
         all_greedy = bool(batch.sampling().greedy.all())
+        generators = None if all_greedy else self._generators.rows(batch.slot_ids, batch.seeds, batch.new)
         K = int(batch.num_draft.max()) if batch.num_draft.numel() else 0
         draft_lengths = [] if all_greedy else batch.num_draft.unique().tolist()  # k values of the per-k verify
         batch = batch.to(self._device)
-        logits, hidden = self._target(batch.token_ids, batch.positions, batch.slot_ids)  # [B, T, V], [B, T, H]
-        B, T, V = logits.shape
-        length = (batch.positions >= 0).sum(1)  # [B] valid tokens per row
-        first = length - 1 - batch.num_draft  # [B] index of the token before the drafts
-        window = (first.view(B, 1) + torch.arange(K + 1, device=logits.device)).clamp(0, T - 1)  # [B, K+1]
-        window_logits = logits.gather(1, window.unsqueeze(-1).expand(B, K + 1, V))  # [B, K+1, V]
-        draft_ids = batch.token_ids.gather(1, window[:, 1:])  # [B, K]
-        if all_greedy:  # argmax only: no processed distribution, no draws
-            num_accepted, output_ids = verify_greedy(window_logits.argmax(-1), draft_ids, batch.num_draft)
-        else:
+        window_logits, draft_ids, num_accepted, output_ids, logprobs, hidden = self._window(
+            batch.token_ids, batch.positions, batch.slot_ids, batch.num_draft, K)  # [B, K+1, V], ..., [B, T, H]
+        if not all_greedy:
             num_accepted, output_ids = self._verify_sampled(batch, window_logits, draft_ids, draft_lengths, generators)
-        emitted_ids = output_ids.clamp(min=0).unsqueeze(-1)  # [B, K+1, 1]
-        logprobs = window_logits.log_softmax(-1).gather(-1, emitted_ids).squeeze(-1)  # [B, K+1]
-        return TargetResult(output_ids, num_accepted, logprobs, hidden.float())
+            logprobs = emitted_logprobs(window_logits, output_ids)  # [B, K+1]
+        return TargetResult(output_ids, num_accepted, logprobs, hidden)
 
     @staticmethod
     def _verify_sampled(batch: TargetBatch, window_logits: torch.Tensor, draft_ids: torch.Tensor,
@@ -224,14 +309,19 @@ class TargetWorker:
 
 
 class DraftWorker:
-    """Absorbs accepted tokens into the MTP caches and drafts up to k tokens per row, in one call."""
+    """Absorbs accepted tokens into the MTP caches and drafts up to k tokens per row, in one call.
+
+    Argmax drafting runs `greedy` (the decode graphs of `draft_chain`; by default the chain over `mtp`);
+    sampled drafting runs the chain over `mtp` with its draws between the calls.
+    """
 
     def __init__(self, mtp: MTPStep, num_layers: int, max_slots: int, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, greedy: ChainStep | None = None) -> None:
         if num_layers < 1:
             raise ValueError(f"num_mtp_layers: must be >= 1 to draft, got {num_layers}")
         self._mtp = mtp
         self._num_layers = num_layers
+        self._greedy = greedy or (lambda *inputs: draft_chain(mtp, num_layers, *inputs))
         self._max_slots = max_slots
         self._device = torch.device(device)
         self._dtype = dtype
@@ -239,72 +329,36 @@ class DraftWorker:
 
     @torch.no_grad()
     def propose(self, batch: DraftBatch) -> DraftResult:
+        """The result's tensors may be the decode graph's buffers: read them before the next call."""
         # Decisions on the host copies, before the batch moves: no device sync for them.
         _check_slots(batch.slot_ids, self._max_slots)
-        generators = self._generators.rows(batch.slot_ids, batch.seeds, batch.new)
         sampled = not bool(batch.sampling().greedy.all())
         wanted = batch.num_draft.tolist()  # [B] drafts per row
         K = max(wanted)
+        generators = self._generators.rows(batch.slot_ids, batch.seeds, batch.new) if sampled else None
         batch = batch.to(self._device)
-        params = batch.sampling()
-        slots, num_draft = batch.slot_ids, batch.num_draft  # [B], [B]
-        B = slots.shape[0]
         hidden = batch.hidden.to(self._dtype)  # [B, T, H]
-        last = (batch.positions >= 0).sum(1) - 1  # [B] index of the last absorbed pair
-        base = batch.positions.gather(1, last.view(B, 1))  # [B, 1] its position
-        # Every layer a row drafts with must cover every position up to `base`. Layer 0 absorbs now and its
-        # last row drafts token 1. Layer l >= 1 first drafts at chain step l and absorbs in that same call
-        # (the absorbed pairs, then its chain pairs). A layer l >= K is skipped: a row's draft count never
-        # grows, so no row of this batch drafts with it again. One MTP call per draft token.
-        deferred = set(range(1, min(self._num_layers, K)))
-        logits, out = self._mtp(batch.token_ids, hidden, batch.positions, slots, 0)  # [B, T, V], [B, T, H]
-        rows = torch.arange(B, device=slots.device)  # [B]
-        logits, out = logits[rows, last], out[rows, last]  # [B, V], [B, H] from layer 0: draft 1
-
-        drafts, top_ids, top_probs = [], [], []
-        chain_tokens, chain_hidden = [], []  # pairs for positions base+1, base+2, ...
-        written = [0] * self._num_layers  # per layer: chain pairs already in its cache
-        for step in range(K):
-            if not sampled:
-                token = logits.argmax(-1)  # [B] what the processed distribution's argmax would be
-            else:
-                probs = target_probs(logits.unsqueeze(1), params)[:, 0]  # [B, V]
-                token = probs.argmax(-1)  # [B]
-                q, support = probs.topk(min(DRAFT_SUPPORT, probs.shape[-1]), dim=-1)  # [B, N], [B, N]
-                q = q / q.sum(-1, keepdim=True)  # [B, N]
-                top_ids.append(support)
-                top_probs.append(q)
-                # Draw only for rows still drafting, so a row's draws depend on its own k.
-                active = [b for b in range(B) if wanted[b] > step]
-                dense = torch.zeros_like(probs).scatter_(-1, support, q)  # [B, V]
-                active_rows = torch.tensor(active, device=dense.device)  # [b]
-                token[active_rows] = sample(dense[active_rows].unsqueeze(1), [generators[b] for b in active])[:, 0]
-            drafts.append(token)
-            if step + 1 == K:
-                break
-            chain_tokens.append(token)
-            chain_hidden.append(out)
-            layer = (step + 1) % self._num_layers
-            # Write the chain pairs this layer has not seen yet, up to position base + step + 1.
-            start = written[layer]
-            tokens = torch.stack(chain_tokens[start:], 1)  # [B, n]
-            pairs_hidden = torch.stack(chain_hidden[start:], 1)  # [B, n, H]
-            offsets = torch.arange(start + 1, step + 2, device=base.device)  # [n]
-            positions = base + offsets  # [B, n]
-            positions = torch.where(num_draft.view(B, 1) > step + 1, positions, -1)  # [B, n] done rows pad
-            if layer in deferred:  # the absorbed pairs first; padding between them writes only scratch
-                deferred.discard(layer)
-                tokens = torch.cat([batch.token_ids, tokens], 1)  # [B, T + n]
-                pairs_hidden = torch.cat([hidden, pairs_hidden], 1)  # [B, T + n, H]
-                positions = torch.cat([batch.positions, positions], 1)  # [B, T + n]
-            logits, out = self._mtp(tokens, pairs_hidden, positions, slots, layer)  # [B, n, V], [B, n, H]
-            logits, out = logits[:, -1], out[:, -1]  # [B, V], [B, H]
-            written[layer] = step + 1
-        draft_ids = torch.stack(drafts, 1)  # [B, K]
-        keep = torch.arange(K, device=draft_ids.device) < num_draft.view(B, 1)  # [B, K]
-        draft_ids = torch.where(keep, draft_ids, 0)  # [B, K]
+        inputs = (batch.token_ids, hidden, batch.positions, batch.slot_ids, batch.num_draft)
         if not sampled:
-            return DraftResult(draft_ids)
+            return DraftResult(self._greedy(*inputs, K))
+        params = batch.sampling()
+        top_ids, top_probs = [], []
+
+        def pick(step: int, logits: torch.Tensor) -> torch.Tensor:  # logits [B, V] -> token [B]
+            probs = target_probs(logits.unsqueeze(1), params)[:, 0]  # [B, V]
+            token = probs.argmax(-1)  # [B] greedy rows draft the processed distribution's argmax
+            q, support = probs.topk(min(DRAFT_SUPPORT, probs.shape[-1]), dim=-1)  # [B, N], [B, N]
+            q = q / q.sum(-1, keepdim=True)  # [B, N]
+            top_ids.append(support)
+            top_probs.append(q)
+            # Draw only for rows still drafting, so a row's draws depend on its own k.
+            active = [b for b in range(len(wanted)) if wanted[b] > step]
+            dense = torch.zeros_like(probs).scatter_(-1, support, q)  # [B, V]
+            active_rows = torch.tensor(active, device=dense.device)  # [b]
+            token[active_rows] = sample(dense[active_rows].unsqueeze(1), [generators[b] for b in active])[:, 0]
+            return token
+
+        draft_ids = draft_chain(self._mtp, self._num_layers, *inputs, K, pick)  # [B, K]
         return DraftResult(draft_ids, torch.stack(top_ids, 1), torch.stack(top_probs, 1).float())  # [B, K, N] x2
 
 

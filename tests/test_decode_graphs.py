@@ -1,7 +1,7 @@
 """Decode-graph wrappers (serving/graphs.py) on CPU: the padding to batch buckets and the verify
-window, the graph families per MTP layer, the fallback to eager. `EagerReplay` stands in for the
-CUDA graph (same static-input contract); the capture itself is `CapturedStep`, run on the H200 by
-bench/standalone.py."""
+window, the graph families per MTP layer and per draft count, the fallback to eager, and the engine
+over graphed workers. `EagerReplay` stands in for the CUDA graph (same static-input contract); the
+capture itself is `CapturedStep`, run on the H200 by bench/standalone.py and bench/engine_overhead.py."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,8 +12,11 @@ import torch
 from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.export.graphs import export_graphs, load_step
 from triton_mtp.serving.graphs import (
-    EagerReplay, GraphedMTP, GraphedTarget, batch_buckets, graphs_wanted, with_decode_graphs,
+    EagerReplay, GraphedDraftChain, GraphedMTP, GraphedTarget, batch_buckets, graphs_wanted, with_decode_graphs,
 )
+from triton_mtp.serving.requests import EngineLimits, GenerationRequest, default_limits
+from triton_mtp.serving.scheduler import Scheduler
+from triton_mtp.serving.workers import DraftWorker, InProcessHops, TargetWorker, draft_chain, verify_window
 
 MAX_SLOTS, MAX_SEQ_LEN, WIDTH = 6, 48, 4
 
@@ -31,36 +34,73 @@ def test_buckets_are_powers_of_two_then_the_largest_batch():
     assert batch_buckets(1) == [1]
 
 
-def _window(rows: list[tuple[int, int, int]], vocab: int, gen: torch.Generator):
-    """(slot, first position, length) per row -> token_ids, positions [B, T] padded with -1, slot_ids [B]."""
-    T = max(length for _, _, length in rows)
+def _window(rows: list[tuple], vocab: int, gen: torch.Generator):
+    """(slot, first position, length[, drafts]) per row -> token_ids, positions [B, T] padded with -1,
+    slot_ids [B] (and num_draft [B] when the rows give drafts)."""
+    T = max(row[2] for row in rows)
     token_ids = torch.randint(2, vocab, (len(rows), T), generator=gen)  # [B, T]
     positions = torch.full((len(rows), T), -1)  # [B, T]
-    for b, (_, start, length) in enumerate(rows):
+    for b, (_, start, length, *_) in enumerate(rows):
         positions[b, :length] = torch.arange(start, start + length)
-    return token_ids, positions, torch.tensor([slot for slot, _, _ in rows])
+    inputs = [token_ids, positions, torch.tensor([row[0] for row in rows])]
+    if len(rows[0]) == 4:
+        inputs.append(torch.tensor([row[3] for row in rows]))
+    return inputs
 
 
-def test_graphed_target_equals_the_step_through_prefill_decode_and_rollback(twins):
+def test_graphed_target_equals_the_window_step_through_prefill_decode_and_rollback(twins):
     (config, plain, _), (_, wrapped, _) = twins
-    graphed = GraphedTarget(wrapped, MAX_SLOTS, WIDTH, torch.device("cpu"), graph=EagerReplay)
+    graphed = GraphedTarget(verify_window(wrapped), MAX_SLOTS, WIDTH, torch.device("cpu"), graph=EagerReplay)
     assert sorted(graphed.graphs) == [(None, b) for b in (1, 2, 4, 6)]
     gen = torch.Generator().manual_seed(0)
     calls = [
-        [(0, 0, 9), (3, 0, 5)],  # prefill: wider than the window, eager
-        [(0, 9, 1), (3, 5, 4)],  # decode + verify window: bucket 2
-        [(0, 10, 4), (3, 7, 2), (5, 0, 3)],  # 3 rows padded to bucket 4; slot 3 rolls back to 7
-        [(1, 0, 2)],  # bucket 1
-        [(s, 12, 1) for s in range(MAX_SLOTS)],  # every slot: the largest bucket
+        [(0, 0, 9, 0), (3, 0, 5, 0)],  # prefill: wider than the window, eager
+        [(0, 9, 1, 0), (3, 5, 4, 3)],  # decode + verify window: bucket 2
+        [(0, 10, 4, 3), (3, 7, 2, 1), (5, 0, 3, 0)],  # 3 rows padded to bucket 4; slot 3 rolls back to 7
+        [(1, 0, 2, 1)],  # bucket 1
+        [(s, 12, 1, 0) for s in range(MAX_SLOTS)],  # every slot: the largest bucket, plain decoding
     ]
     for rows in calls:
         inputs = _window(rows, config.vocab_size, gen)
-        expected = plain(*inputs)
-        got = graphed(*inputs)
+        K = int(inputs[3].max())
+        expected = verify_window(plain)(*inputs, K)
+        got = graphed(*inputs, K)
         for e, g in zip(expected, got):
+            assert g.shape == e.shape
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
     live = plain.kv_cache[:, :, :-1]  # the scratch position differs: padding writes it
     torch.testing.assert_close(wrapped.kv_cache[:, :, :-1], live, rtol=0, atol=1e-5)
+
+
+def test_graphed_draft_chain_equals_the_chain_for_every_draft_count(twins):
+    (config, _, plain), (_, _, wrapped) = twins
+    layers, H = config.num_nextn_predict_layers, config.hidden_size
+    max_draft = 4
+    fallback_calls = []
+
+    def fallback(*inputs):
+        fallback_calls.append(inputs[-1])
+        return draft_chain(wrapped, layers, *inputs)
+
+    graphed = GraphedDraftChain(lambda *inputs: draft_chain(wrapped, layers, *inputs), fallback, max_draft, MAX_SLOTS,
+                                WIDTH, H, torch.float32, torch.device("cpu"), graph=EagerReplay)
+    assert sorted(graphed.graphs) == [(k, b) for k in range(1, max_draft + 1) for b in (1, 2, 4, 6)]
+    gen = torch.Generator().manual_seed(3)
+    calls = [
+        ([(0, 0, 7, 3), (2, 0, 3, 2)], 3),  # prompt absorption: wider than the window, the fallback
+        ([(0, 7, 2, 4), (2, 3, 4, 1)], 4),  # each row its own draft count
+        ([(0, 9, 1, 1), (2, 4, 1, 1), (4, 0, 2, 1)], 1),  # 3 rows padded to bucket 4
+        ([(0, 10, 3, 2)], 2),
+        ([(0, 13, 1, 5)], 5),  # more drafts than any graph: the fallback
+    ]
+    for rows, K in calls:
+        token_ids, positions, slots, num_draft = _window(rows, config.vocab_size, gen)
+        hidden = torch.randn(*token_ids.shape, H, generator=gen)  # [B, T, H]
+        expected = draft_chain(plain, layers, token_ids, hidden, positions, slots, num_draft, K)
+        got = graphed(token_ids, hidden, positions, slots, num_draft, K)
+        assert torch.equal(got, expected) and got.shape == (len(rows), K)
+    assert fallback_calls == [3, 5]
+    torch.testing.assert_close(wrapped.kv_cache[:, :, :-1], plain.kv_cache[:, :, :-1], rtol=0, atol=1e-5)  # all but scratch
 
 
 def test_graphed_mtp_equals_the_step_per_layer(twins):
@@ -88,15 +128,16 @@ def test_graphed_eager_format_runners_equal_the_plain_runners(twins, drafting_ch
     def runner(name: str):
         return load_step(tmp_path / f"{name}.json", "eager")
 
-    plain_target, plain_mtp = runner("target"), runner("mtp_0")
+    plain_target, plain_mtp = verify_window(runner("target")), runner("mtp_0")
     cpu = torch.device("cpu")
-    graphed_target = GraphedTarget(runner("target"), MAX_SLOTS, WIDTH, cpu, graph=EagerReplay)
+    graphed_target = GraphedTarget(verify_window(runner("target")), MAX_SLOTS, WIDTH, cpu, graph=EagerReplay)
     graphed_mtp = GraphedMTP(runner("mtp_0"), config.num_nextn_predict_layers, MAX_SLOTS, WIDTH, config.hidden_size,
                              torch.float32, cpu, graph=EagerReplay)
     gen = torch.Generator().manual_seed(2)
-    for rows in ([(0, 0, 6), (4, 0, 8)], [(0, 6, 3), (4, 8, 1)], [(0, 9, 2), (1, 0, 1), (4, 9, 4)]):
+    for rows in ([(0, 0, 6, 0), (4, 0, 8, 0)], [(0, 6, 3, 2), (4, 8, 1, 0)], [(0, 9, 2, 1), (1, 0, 1, 0), (4, 9, 4, 3)]):
         inputs = _window(rows, config.vocab_size, gen)
-        for e, g in zip(plain_target(*inputs), graphed_target(*inputs)):
+        K = int(inputs[3].max())
+        for e, g in zip(plain_target(*inputs, K), graphed_target(*inputs, K)):
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
         hidden = torch.randn(*inputs[0].shape, config.hidden_size, generator=gen)  # [B, T, H]
         for layer in range(config.num_nextn_predict_layers):
@@ -106,12 +147,64 @@ def test_graphed_eager_format_runners_equal_the_plain_runners(twins, drafting_ch
                 torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("num_draft_tokens", [0, 1, 3])
+def test_the_engine_over_graphed_workers_emits_what_it_emits_eager(drafting_checkpoint, num_draft_tokens):
+    """Greedy tokens and logprobs of the scheduler over graphed workers equal the eager workers', for rows
+    joining, drafting and finishing at different steps (prefill batches run eager, the rest replay)."""
+    slots, max_draft = 4, 3
+    outputs = []
+    for graphed in (False, True):
+        config, target, mtp = load_checkpoint(drafting_checkpoint, max_slots=slots, max_seq_len=MAX_SEQ_LEN,
+                                              progress=False)
+        layers, H, cpu = config.num_nextn_predict_layers, config.hidden_size, torch.device("cpu")
+        window, mtp_step, greedy = verify_window(target), mtp, None
+        if graphed:
+            window = GraphedTarget(window, slots, max_draft + 1, cpu, graph=EagerReplay)
+            mtp_step = GraphedMTP(mtp, layers, slots, max_draft + layers, H, torch.float32, cpu, graph=EagerReplay)
+            greedy = GraphedDraftChain(lambda *inputs: draft_chain(mtp, layers, *inputs),
+                                       lambda *inputs: draft_chain(mtp_step, layers, *inputs), max_draft, slots,
+                                       max_draft + 1, H, torch.float32, cpu, graph=EagerReplay)
+        hops = InProcessHops(TargetWorker(window, slots), DraftWorker(mtp_step, layers, slots, greedy=greedy))
+        limits = EngineLimits(max_slots=slots, max_seq_len=MAX_SEQ_LEN, vocab_size=config.vocab_size,
+                              max_draft_tokens=max_draft, default_num_draft_tokens=0, eos_token_id=-1,
+                              max_queue_size=8, **default_limits(MAX_SEQ_LEN))
+        engine = Scheduler(hops, limits)
+        handles = [_Collect() for _ in range(6)]
+        gen = torch.Generator().manual_seed(4)
+        for n, handle in enumerate(handles):
+            prompt = torch.randint(2, config.vocab_size, (3 + 2 * n,), generator=gen).tolist()
+            engine.submit(GenerationRequest(input_ids=prompt, max_tokens=5 + 3 * n, num_draft_tokens=num_draft_tokens,
+                                            return_logprobs=True), handle)
+        engine.run_until_idle()
+        outputs.append([(h.response.output_ids, h.response.logprobs) for h in handles])
+    for (eager_ids, eager_logprobs), (graphed_ids, graphed_logprobs) in zip(*outputs):
+        assert graphed_ids == eager_ids
+        assert graphed_logprobs == pytest.approx(eager_logprobs, abs=1e-5)
+
+
+class _Collect:
+    """A response handle keeping the final response."""
+
+    def __init__(self) -> None:
+        self.response = None
+
+    def send(self, response, final: bool) -> None:
+        if final:
+            self.response = response
+
+    def send_error(self, message: str) -> None:
+        raise AssertionError(message)
+
+    def is_cancelled(self) -> bool:
+        return False
+
+
 class Broken(EagerReplay):
     """A replay whose logits are wrong, as a capture gone bad would give."""
 
     def replay(self):
-        logits, hidden = super().replay()
-        return logits + 1.0, hidden
+        logits, *rest = super().replay()
+        return logits + 1.0, *rest
 
 
 class Stale(EagerReplay):
@@ -126,23 +219,32 @@ class Stale(EagerReplay):
 
 
 def test_a_graph_that_captured_nothing_is_caught(twins):
-    (_, target, _), _ = twins
+    (config, target, mtp), _ = twins
     lines = []
-    step = with_decode_graphs(lambda: GraphedTarget(target, 2, WIDTH, torch.device("cpu"), graph=Stale),
-                              target, lines.append)
-    assert step is target and "differs from eager" in lines[0]
+    window = verify_window(target)
+    step = with_decode_graphs(lambda: GraphedTarget(window, 2, WIDTH, torch.device("cpu"), graph=Stale),
+                              window, lines.append)
+    assert step is window and "differs from eager" in lines[0]
+
+    def chain(*inputs):
+        return draft_chain(mtp, config.num_nextn_predict_layers, *inputs)
+
+    step = with_decode_graphs(lambda: GraphedDraftChain(chain, chain, 2, 2, WIDTH, config.hidden_size, torch.float32,
+                                                        torch.device("cpu"), graph=Stale), chain, lines.append)
+    assert step is chain and "drafting chain" in lines[1] and "ids differ" in lines[1]
 
 
 def test_a_graph_that_disagrees_with_eager_falls_back_to_the_step(twins):
     (_, target, _), _ = twins
     lines = []
-    step = with_decode_graphs(lambda: GraphedTarget(target, 2, WIDTH, torch.device("cpu"), graph=Broken),
-                              target, lines.append)
-    assert step is target
+    window = verify_window(target)
+    step = with_decode_graphs(lambda: GraphedTarget(window, 2, WIDTH, torch.device("cpu"), graph=Broken),
+                              window, lines.append)
+    assert step is window
     assert lines and lines[0].startswith("CUDA graphs off, running eager: RuntimeError: CUDA graph of target (batch 2) differs")
     lines.clear()
-    step = with_decode_graphs(lambda: GraphedTarget(target, 2, WIDTH, torch.device("cpu"), graph=EagerReplay),
-                              target, lines.append)
+    step = with_decode_graphs(lambda: GraphedTarget(window, 2, WIDTH, torch.device("cpu"), graph=EagerReplay),
+                              window, lines.append)
     assert isinstance(step, GraphedTarget) and lines == ["CUDA graphs captured for batch sizes [1, 2] x 4 tokens"]
 
 

@@ -14,7 +14,7 @@ from triton_mtp.serving.requests import (
     parse_request,
 )
 from triton_mtp.serving.scheduler import Scheduler
-from triton_mtp.serving.workers import DraftWorker, InProcessHops, TargetWorker
+from triton_mtp.serving.workers import DraftWorker, InProcessHops, TargetWorker, verify_window
 
 MAX_SLOTS = 16
 MAX_SEQ_LEN = 64
@@ -64,7 +64,7 @@ def limits(**overrides) -> EngineLimits:
 
 def scheduler(models, clock=None, **overrides) -> Scheduler:
     target, mtp = models
-    hops = InProcessHops(TargetWorker(target, MAX_SLOTS), DraftWorker(mtp, NUM_MTP_LAYERS, MAX_SLOTS))
+    hops = InProcessHops(TargetWorker(verify_window(target), MAX_SLOTS), DraftWorker(mtp, NUM_MTP_LAYERS, MAX_SLOTS))
     return Scheduler(hops, limits(**overrides), **({"clock": clock} if clock else {}))
 
 

@@ -22,7 +22,7 @@ from triton_mtp.serving.requests import (
     EngineLimits, GenerationRequest, GenerationResponse, TokenizerFile, default_limits,
 )
 from triton_mtp.serving.scheduler import Scheduler
-from triton_mtp.serving.workers import DraftWorker, InProcessHops, TargetWorker
+from triton_mtp.serving.workers import DraftWorker, InProcessHops, TargetWorker, verify_window
 from triton_mtp.train.config import BUNDLED_CHECKPOINT
 from triton_mtp.train.corpus import split_stdlib
 
@@ -106,7 +106,7 @@ def evaluate(checkpoint: Path, prompts: list[list[int]], max_tokens: int, num_dr
     limits = EngineLimits(max_slots=len(prompts), max_seq_len=max_seq_len, vocab_size=config.vocab_size,
                           max_draft_tokens=num_draft_tokens, default_num_draft_tokens=num_draft_tokens,
                           eos_token_id=eos, max_queue_size=len(prompts), **default_limits(max_seq_len))
-    hops = InProcessHops(TargetWorker(target, len(prompts)),
+    hops = InProcessHops(TargetWorker(verify_window(target), len(prompts)),
                          DraftWorker(mtp, config.num_nextn_predict_layers, len(prompts)))
     engine = Scheduler(hops, limits)
     handles = [_Collect() for _ in prompts]
