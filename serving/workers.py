@@ -252,9 +252,9 @@ class _Generators:
 
 
 def _check_slots(slot_ids: torch.Tensor, max_slots: int) -> None:
-    bad = slot_ids[(slot_ids < 0) | (slot_ids >= max_slots)]
-    if bad.numel():
-        raise ValueError(f"slot_ids: slot {int(bad[0])} outside the pool [0, {max_slots})")
+    bad = [slot for slot in slot_ids.tolist() if not 0 <= slot < max_slots]  # a host list: no tensor ops per step
+    if bad:
+        raise ValueError(f"slot_ids: slot {bad[0]} outside the pool [0, {max_slots})")
 
 
 class TargetWorker:
