@@ -8,8 +8,8 @@
 #   engine      (on a GPU) bench/engine_overhead.py, the engine in process with its decode graphs, 1 and 32
 #               prompts, k = 0 and 3, model steps compiled and not: $OUT/engine/
 #   export      triton-mtp export of the checkpoint into a model repository (BENCH_FORMAT; on a GPU eager,
-#               whose decode calls the served models replay from CUDA graphs, over torch.compile'd steps
-#               with BENCH_COMPILE=1, else --no-compile; on CPU torchscript)
+#               whose decode calls the served models replay from CUDA graphs: --no-compile, or with
+#               BENCH_COMPILE=1 also --compile-graphs; on CPU torchscript)
 #   capture     bench/capture_check.py (on a GPU): whether the served decode graphs capture over the exported
 #               artifacts outside Triton, and their batch-1 call time
 #   triton      bench/triton_bench.py against an embedded tritonserver: batch 1 plain and k=1..4, then the
@@ -113,7 +113,8 @@ fi
 checkpoint=${checkpoint:-$repo/models/tiny-dsv3-mtp}
 format=${BENCH_FORMAT:-$default_format}
 format_args=()
-[ "$format" = eager ] && [ "${BENCH_COMPILE:-0}" != 1 ] && format_args=(--no-compile)  # graphs of uncompiled steps
+[ "$format" = eager ] && format_args=(--no-compile)  # graphs of uncompiled steps ...
+[ "$format" = eager ] && [ "${BENCH_COMPILE:-0}" = 1 ] && format_args+=(--compile-graphs)  # ... or of compiled ones
 max_draft=${drafts##*,}
 max_seq_len=$((prompt_tokens + max_tokens + max_draft + 1))
 common=(--checkpoint "$checkpoint" --prompts "$prompts" --prompt-tokens "$prompt_tokens" --max-tokens "$max_tokens")

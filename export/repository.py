@@ -57,6 +57,7 @@ def write_repository(
     request_limits: dict[str, int | float] | None = None,
     eager_compile: bool = True,
     cuda_graphs: bool = True,
+    compile_graphs: bool = False,
     tensor_parallel: int = 1,
     hops: str = "bls",
     progress: bool = True,
@@ -68,7 +69,8 @@ def write_repository(
     the verify window (k + 1 tokens); `default_num_draft_tokens` defaults to the number of MTP
     layers, capped by it. `request_limits` overrides `serving.requests.default_limits` (prompt bytes and
     tokens, max_tokens cap, request timeout). `cuda_graphs` lets the `target` and `mtp` models on CUDA
-    replay decode-time calls from captured graphs (serving/graphs.py). `tensor_parallel` > 1 (eager format) makes the `target`
+    replay decode-time calls from captured graphs (serving/graphs.py), captured over torch.compile'd steps
+    with `compile_graphs`. `tensor_parallel` > 1 (eager format) makes the `target`
     and `mtp` models shard over that many ranks at load (serving/parallel.py). Existing `target`,
     `mtp`, `spec_decode` folders in `repo_dir` are replaced. `hops` "local" makes `spec_decode` run the
     target and MTP workers in its own process instead of calling the `target` and `mtp` models (no BLS
@@ -133,6 +135,7 @@ def write_repository(
         "max_queue_size": max_queue_size,
         "tensor_parallel_size": tensor_parallel,
         "cuda_graphs": "true" if cuda_graphs else "false",
+        "compile_graphs": "true" if compile_graphs else "false",
         **_request_limits(max_seq_len, request_limits or {}),
     }
     values["spec_decode_kind"] = values["kind"] if hops == "local" else "KIND_CPU"  # a BLS engine holds no weights

@@ -308,11 +308,22 @@ def with_decode_graphs(build: Callable[[], _GraphedStep], step: Step, log: Calla
 GRAPH_FORMATS = ("eager",)
 
 
+def _flag(params: dict[str, str], key: str) -> bool:
+    value = params.get(key, "false")
+    if value not in ("true", "false"):
+        raise ValueError(f"config.pbtxt: parameter {key!r} must be true or false, got {value!r}")
+    return value == "true"
+
+
+def compile_graphs(params: dict[str, str]) -> bool:
+    """Whether a graphed model captures torch.compile'd steps (config parameter `compile_graphs`): fused
+    kernels make the replayed step faster (docs/benchmarks.md), compiling makes the load minutes longer."""
+    return _flag(params, "compile_graphs")
+
+
 def graphs_wanted(params: dict[str, str], device: torch.device, world_size: int) -> bool:
     """Whether a `target` / `mtp` model captures decode graphs: config parameter `cuda_graphs` true (the
     export writes it; a repository from before it has none and runs eager) on a CUDA device, the eager
     format, one rank."""
-    value = params.get("cuda_graphs", "false")
-    if value not in ("true", "false"):
-        raise ValueError(f"config.pbtxt: parameter 'cuda_graphs' must be true or false, got {value!r}")
-    return value == "true" and device.type == "cuda" and world_size == 1 and params.get("format") in GRAPH_FORMATS
+    return _flag(params, "cuda_graphs") and device.type == "cuda" and world_size == 1 and \
+        params.get("format") in GRAPH_FORMATS

@@ -108,11 +108,16 @@ class Scheduler:
     """Owns the slots, the waiting queue and the step loop (run by `start()` or step by step)."""
 
     def __init__(self, hops: Hops, limits: EngineLimits, metrics: EngineMetrics | None = None,
-                 tokenizer: Tokenizer | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 tokenizer: Tokenizer | None = None, clock: Callable[[], float] = time.monotonic,
+                 cancel_check_interval_s: float = 0.0) -> None:
+        """`cancel_check_interval_s`: how often live requests are asked whether they were cancelled (0:
+        every step); in Triton each question is a round trip to the server."""
         self._hops = hops
         self._limits = limits
         self._tokenizer = tokenizer
         self._clock = clock
+        self._cancel_check_interval_s = cancel_check_interval_s
+        self._cancel_checked_at = -float("inf")
         self.metrics = metrics or EngineMetrics(limits.max_draft_tokens)
         self.slots = SlotPool(limits.max_slots)
         self._waiting: deque[_Waiting] = deque()
@@ -199,6 +204,10 @@ class Scheduler:
                     self._fail(s, f"spec_decode: {type(exc).__name__}: {exc}")
 
     def _drop_cancelled(self) -> None:
+        now = self._clock()
+        if now - self._cancel_checked_at < self._cancel_check_interval_s:
+            return
+        self._cancel_checked_at = now
         for s in list(self._live):
             if s.handle.is_cancelled():
                 s.finish_reason = "cancelled"
@@ -419,3 +428,4 @@ class Scheduler:
 
     def _publish(self) -> None:
         self.metrics.occupancy(len(self._live), self.slots.num_free, len(self._waiting))
+        self.metrics.flush_if_due()

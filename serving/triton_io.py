@@ -23,6 +23,9 @@ from triton_mtp.serving.workers import (
 )
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# `request.is_cancelled()` is a round trip from the stub to the server (as is every metric update): the
+# scheduler asks every live request at most this often rather than every step.
+CANCEL_CHECK_INTERVAL_S = 0.05
 
 
 def model_parameters(args: dict) -> dict[str, str]:
@@ -176,7 +179,9 @@ def load_model_step(directory: Path, params: dict[str, str], device: torch.devic
     captures decode graphs, else (or if that fails, with a log line) `eager(runner)`."""
     world_size = parallel.tensor_parallel_size(params, device)
     wanted = graphs.graphs_wanted(params, device, world_size)
-    runner = parallel.load_parallel_step(directory, params["format"], device, world_size)
+    # graphed, the decode calls launch nothing from Python: compiling pays only for fused kernels, on request
+    runner = parallel.load_parallel_step(directory, params["format"], device, world_size,
+                                         compile=graphs.compile_graphs(params) if wanted else None)
     if not wanted:
         return runner, eager(runner)
     return runner, graphs.with_decode_graphs(lambda: graphed(runner), eager(runner), log)

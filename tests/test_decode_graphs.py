@@ -12,7 +12,8 @@ import torch
 from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.export.graphs import export_graphs, load_step
 from triton_mtp.serving.graphs import (
-    EagerReplay, GraphedDraftChain, GraphedMTP, GraphedTarget, batch_buckets, graphs_wanted, with_decode_graphs,
+    EagerReplay, GraphedDraftChain, GraphedMTP, GraphedTarget, batch_buckets, compile_graphs, graphs_wanted,
+    with_decode_graphs,
 )
 from triton_mtp.serving.requests import EngineLimits, GenerationRequest, default_limits
 from triton_mtp.serving.scheduler import Scheduler
@@ -248,7 +249,7 @@ def test_a_graph_that_disagrees_with_eager_falls_back_to_the_step(twins):
     assert isinstance(step, GraphedTarget) and lines == ["CUDA graphs captured for batch sizes [1, 2] x 4 tokens"]
 
 
-def test_graphs_are_wanted_on_cuda_for_capturable_formats_only():
+def test_graphs_are_wanted_on_cuda_for_capturable_formats_only_and_compiled_on_request():
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     on = {"cuda_graphs": "true"}
     assert not graphs_wanted({"format": "torchscript", **on}, cuda, 1)  # its steps synchronize with the host
@@ -260,3 +261,7 @@ def test_graphs_are_wanted_on_cuda_for_capturable_formats_only():
     assert not graphs_wanted({"format": "eager", **on}, cuda, 2)
     with pytest.raises(ValueError, match="parameter 'cuda_graphs' must be true or false"):
         graphs_wanted({"format": "eager", "cuda_graphs": "yes"}, cuda, 1)
+    assert compile_graphs({"compile_graphs": "true"}) and not compile_graphs({"compile_graphs": "false"})
+    assert not compile_graphs({})  # a repository from before the parameter: uncompiled steps
+    with pytest.raises(ValueError, match="parameter 'compile_graphs' must be true or false"):
+        compile_graphs({"compile_graphs": "1"})

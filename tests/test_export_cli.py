@@ -111,11 +111,14 @@ def test_served_repository_completes_like_greedy_eager(repo_fixture, request, ch
 
 
 def test_eager_format_writes_a_checkpoint_reference(checkpoint, tmp_path):
-    assert export(checkpoint, tmp_path, "--format", "eager", "--no-compile") == 0
+    assert export(checkpoint, tmp_path, "--format", "eager", "--no-compile", "--compile-graphs") == 0
     reference = json.loads((tmp_path / "target" / "1" / "target.json").read_text())
     assert reference["checkpoint"] == str(checkpoint.resolve())
     assert (reference["max_slots"], reference["max_seq_len"], reference["compile"]) == (MAX_SLOTS, MAX_SEQ_LEN, False)
     assert sorted(p.name for p in (tmp_path / "mtp" / "1").glob("mtp_*.json")) == ["mtp_0.json", "mtp_1.json"]
+    for model in ("target", "mtp", "spec_decode"):  # graphed models on cuda capture compiled steps
+        config = (tmp_path / model / "config.pbtxt").read_text()
+        assert 'key: "compile_graphs", value: { string_value: "true" }' in config, model
 
 
 def test_reexport_replaces_the_previous_models(checkpoint, tmp_path):

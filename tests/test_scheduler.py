@@ -62,10 +62,11 @@ def limits(**overrides) -> EngineLimits:
     return EngineLimits(**{**values, **overrides})
 
 
-def scheduler(models, clock=None, **overrides) -> Scheduler:
+def scheduler(models, clock=None, metrics=None, cancel_check_interval_s=0.0, **overrides) -> Scheduler:
     target, mtp = models
     hops = InProcessHops(TargetWorker(verify_window(target), MAX_SLOTS), DraftWorker(mtp, NUM_MTP_LAYERS, MAX_SLOTS))
-    return Scheduler(hops, limits(**overrides), **({"clock": clock} if clock else {}))
+    return Scheduler(hops, limits(**overrides), metrics, **({"clock": clock} if clock else {}),
+                     cancel_check_interval_s=cancel_check_interval_s)
 
 
 def prompts(count: int, seed: int = 0) -> list[list[int]]:
@@ -183,6 +184,55 @@ def test_streaming_sends_each_step_then_a_final_response_with_totals(models):
     assert streamed.final.total_draft_tokens == whole.final.total_draft_tokens
 
 
+class RecordingSink:
+    """A metric sink that sums what it is sent, and counts the calls (each one a round trip in Triton)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[tuple, int] = {}
+        self.gauges: dict[str, int] = {}
+        self.calls = 0
+
+    def increment(self, name, value, labels) -> None:
+        key = (name, tuple(sorted(labels.items())))
+        self.totals[key] = self.totals.get(key, 0) + value
+        self.calls += 1
+
+    def set(self, name, value, labels) -> None:
+        self.gauges[name] = value
+        self.calls += 1
+
+
+def test_the_metric_sink_gets_coalesced_updates_that_add_up_to_the_counters(models):
+    from triton_mtp.serving.metrics import FLUSH_INTERVAL_S, EngineMetrics
+
+    now = [0.0]
+    sink = RecordingSink()
+    metrics = EngineMetrics(6, sink, clock=lambda: now[0])
+    engine = scheduler(models, metrics=metrics)
+    batch = [GenerationRequest(p, 12, num_draft_tokens=2, stream=True) for p in prompts(4, seed=11)]
+    handles = [Collect() for _ in batch]
+    for request, handle in zip(batch, handles):
+        engine.submit(request, handle)
+    engine.step()  # admits all four: the gauges change, no counter reaches the sink yet
+    calls = sink.calls
+    engine.step()
+    engine.step()
+    assert sink.calls == calls, "steady decoding within the flush interval makes no round trip"
+    now[0] += FLUSH_INTERVAL_S
+    engine.step()
+    assert sink.totals[("spec_decode_hops", ())] == metrics.counters["spec_decode_hops"]  # flushed, coalesced
+    assert sink.calls - calls <= len(metrics.counters) + 2  # one per changed series (k = 2: two positions)
+    engine.run_until_idle()
+    assert all(h.final is not None for h in handles)
+    for name, value in metrics.counters.items():
+        assert sink.totals[(name, ())] == value, name
+    for position, value in enumerate(metrics.accepted_per_position):
+        assert sink.totals[("spec_decode_num_accepted_tokens_per_pos", (("position", str(position)),))] == value
+    assert sink.totals[("spec_decode_finished_requests", (("reason", "length"),))] == 4
+    assert sink.gauges == {"spec_decode_free_slots": MAX_SLOTS, "spec_decode_waiting_requests": 0,
+                           "spec_decode_live_sequences": 0}
+
+
 def test_eos_stops_the_sequence_before_max_tokens(models):
     prompt = prompts(1, seed=6)[0]
     (free_run,) = run(scheduler(models), [GenerationRequest(prompt, 12, num_draft_tokens=2)])
@@ -204,6 +254,29 @@ def test_cancelled_request_is_dropped_and_its_slot_freed(models):
     assert cancelled.final.num_output_tokens < 40
     assert kept.final.finish_reason == "length"
     assert engine.slots.num_free == MAX_SLOTS
+
+
+class CountingAsks(Collect):
+    """Counts how often the engine asks whether the request was cancelled."""
+
+    asks = 0
+
+    def is_cancelled(self) -> bool:
+        self.asks += 1
+        return super().is_cancelled()
+
+
+def test_cancellation_is_checked_at_most_once_per_interval_and_still_caught(models):
+    now = [0.0]
+    engine = scheduler(models, clock=lambda: now[0], cancel_check_interval_s=0.05)
+    handle = CountingAsks(cancel_after=2)
+    engine.submit(GenerationRequest(prompts(1, seed=8)[0], 40, stream=True), handle)
+    for _ in range(5):  # the clock stands still: the first step's check found no live request, then none
+        engine.step()
+    assert handle.asks == 1 and len(handle.responses) == 5 and not handle.responses[-1][1]  # asked on admission
+    now[0] += 0.05
+    engine.step()
+    assert handle.final.finish_reason == "cancelled" and engine.slots.num_free == MAX_SLOTS
 
 
 def test_requests_beyond_the_queue_bound_are_refused(models):

@@ -14,7 +14,8 @@ class TritonPythonModel:
         self.tokenizer = TokenizerFile(tokenizer_path) if tokenizer_path.exists() else None
         hops = triton_io.engine_hops(args)
         metrics = EngineMetrics(self.limits.max_draft_tokens, triton_io.TritonMetricSink())
-        self.scheduler = Scheduler(hops, self.limits, metrics, self.tokenizer)
+        self.scheduler = Scheduler(hops, self.limits, metrics, self.tokenizer,
+                                   cancel_check_interval_s=triton_io.CANCEL_CHECK_INTERVAL_S)
         self.scheduler.start()
 
     def execute(self, requests):
