@@ -161,6 +161,16 @@ def markdown(results: dict[str, Any], targets: dict[str, dict[str, float | None]
             t, d = m["target"], m["mtp"]
             lines.append(f"| Triton (bls) k={k} | {t['calls']:.0f} | {_fmt(t['compute_ms'], 3)} | {_fmt(t['request_ms'], 3)} "
                          f"| {d['calls']:.0f} | {_fmt(d['compute_ms'], 3)} | {_fmt(d['request_ms'], 3)} |")
+    phases = [(f"Triton ({hops}) k={k}", r) for stage, hops in TRITON.items()
+              for k, r in results.get(stage, {}).get("batch1", {}).items() if r.get("step_ms")]
+    if phases:
+        lines += ["", "Engine step time inside the server by phase (spec_decode's counters over the run; mtp and "
+                  "target are the two hops, respond the streamed responses, engine the rest):", "",
+                  "| run | steps | step ms | mtp ms | target ms | respond ms | engine ms |", "|---|---|---|---|---|---|---|"]
+        for name, r in phases:
+            ms = r["step_ms"]
+            lines.append(f"| {name} | {r['steps']:.0f} | {_fmt(sum(ms.values()), 3)} | "
+                         + " | ".join(_fmt(ms.get(phase), 3) for phase in ("mtp", "target", "respond", "engine")) + " |")
     for stage, hops in TRITON.items():
         matches = same_outputs(results, stage)
         if matches:

@@ -6,7 +6,8 @@ Measures, on held-out code prompts:
 1. batch 1: plain (`num_draft_tokens` 0) and k = 1..4, one stream;
 2. a concurrency sweep (1, 2, 4, ... streams) for plain and the best k of step 1.
 
-Per run: aggregate tokens/s (tokens received / wall time), TTFT, inter-token latency p50/p99
+Per run: aggregate tokens/s (tokens received / wall time), TTFT, inter-token latency p50/p99, the engine's
+steps and their mean time per phase (hops, responses, the rest) from spec_decode's counters
 (genai-perf's convention: a response's gap to the previous one divided by the tokens it carries),
 acceptance per position and mean accepted length (from the final responses' totals), and hops per
 emitted token (the engine's `spec_decode_hops` counter: its calls into the target and MTP workers, BLS
@@ -42,6 +43,8 @@ STOP_GRACE_S = 5.0  # the stage's time limit leaves little room for a slow shutd
 _COUNTER = re.compile(r'^(nv_inference_request_success|nv_inference_compute_infer_duration_us|nv_inference_request_duration_us)'
                       r'\{[^}]*model="([^"]+)"[^}]*\}\s+([0-9.e+]+)', re.MULTILINE)
 _HOPS = re.compile(r'^spec_decode_hops(?:\{[^}]*\})?\s+([0-9.e+]+)', re.MULTILINE)
+_STEPS = re.compile(r'^spec_decode_steps(?:\{[^}]*\})?\s+([0-9.e+]+)', re.MULTILINE)
+_PHASES = re.compile(r'^spec_decode_step_seconds\{[^}]*phase="([^"]+)"[^}]*\}\s+([0-9.e+]+)', re.MULTILINE)
 
 
 @dataclass
@@ -119,7 +122,18 @@ def server_counters(metrics_url: str) -> dict[tuple[str, str], float]:
     for metric, model, value in _COUNTER.findall(text):
         counters[metric, model] = counters.get((metric, model), 0.0) + float(value)
     counters["spec_decode_hops", MODEL] = sum(float(value) for value in _HOPS.findall(text))
+    counters["spec_decode_steps", MODEL] = sum(float(value) for value in _STEPS.findall(text))
+    for phase, value in _PHASES.findall(text):
+        counters["spec_decode_step_seconds", phase] = float(value)
     return counters
+
+
+def step_phases_ms(before: dict, after: dict) -> dict[str, float]:
+    """Mean milliseconds per engine step in each phase (mtp, target, respond, engine) over the run, from
+    spec_decode's own counters: where a step's time goes inside the server."""
+    steps = after["spec_decode_steps", MODEL] - before["spec_decode_steps", MODEL]
+    return {phase: 1e3 * (after[metric, phase] - before.get((metric, phase), 0.0)) / steps
+            for metric, phase in after if metric == "spec_decode_step_seconds" and steps}
 
 
 def per_call_ms(before: dict, after: dict) -> dict[str, dict[str, float]]:
@@ -193,6 +207,8 @@ def run_level(url: str, metrics_url: str, prompts: list[list[int]], streams: int
         "ttft": latency_summary([s.ttft_s for s in stats]),
         "itl": latency_summary([g for s in stats for g in s.gaps]),
         "hops": hops, "hops_per_token": hops / tokens if tokens else 0.0, "models": models,
+        "steps": after["spec_decode_steps", MODEL] - before["spec_decode_steps", MODEL],
+        "step_ms": step_phases_ms(before, after),
     }
     if keep_outputs:
         result["outputs"] = outputs

@@ -6,9 +6,9 @@ the bonus or recovered token). A *hop* is one call from `spec_decode` into the t
 BLS call into the `target` or `mtp` model, or, with local hops, a call in its own process.
 
 Each update of a Triton custom metric is a round trip from the Python backend's stub to the server
-(about 0.2 ms on the H200 host), so the sink sees coalesced counter increments: at most every
-FLUSH_INTERVAL_S, and whenever a request finishes (before its final response is sent, so a client that
-reads the metrics after it sees them). Gauges are set when they change.
+(a message and its reply, as in a BLS call), so the sink sees coalesced counter increments: at most every
+FLUSH_INTERVAL_S, whenever a request finishes (before its final response is sent, so a client that
+reads the metrics after it sees them) and when the engine goes idle. Gauges are set when they change.
 """
 from __future__ import annotations
 
@@ -23,7 +23,11 @@ COUNTERS = {
     "spec_decode_hops": "Calls from spec_decode into the target and mtp workers (BLS calls, or in process with local hops)",
     "spec_decode_emitted_tokens": "Tokens emitted to requests",
     "spec_decode_finished_requests": "Requests finished, by finish_reason (length, stop, cancelled), error or timeout",
+    "spec_decode_steps": "Engine steps (one pass over every live sequence)",
+    "spec_decode_step_seconds": "Wall time of engine steps by phase: mtp and target (the two hops), respond (sending "
+                                "responses), engine (the rest: scheduling, batching, emitting)",
 }
+STEP_PHASES = ("mtp", "target", "respond", "engine")
 FINISH_REASONS = ("length", "stop", "cancelled", "error", "timeout")
 GAUGES = {
     "spec_decode_live_sequences": "Sequences holding a slot",
@@ -33,7 +37,7 @@ GAUGES = {
 
 
 class MetricSink(Protocol):
-    def increment(self, name: str, value: int, labels: dict[str, str]) -> None: ...
+    def increment(self, name: str, value: float, labels: dict[str, str]) -> None: ...
     def set(self, name: str, value: int, labels: dict[str, str]) -> None: ...
 
 
@@ -45,14 +49,15 @@ class EngineMetrics:
 
     def __init__(self, max_draft_tokens: int, sink: MetricSink | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        labelled = ("spec_decode_num_accepted_tokens_per_pos", "spec_decode_finished_requests")
+        labelled = ("spec_decode_num_accepted_tokens_per_pos", "spec_decode_finished_requests", "spec_decode_step_seconds")
         self.counters = {name: 0 for name in COUNTERS if name not in labelled}
         self.accepted_per_position = [0] * max_draft_tokens
         self.finished = {reason: 0 for reason in FINISH_REASONS}
         self.gauges = {name: 0 for name in GAUGES}
+        self.step_seconds = {phase: 0.0 for phase in STEP_PHASES}
         self._sink = sink
         self._clock = clock
-        self._pending: dict[tuple[str, tuple[tuple[str, str], ...]], int] = {}  # increments not yet in the sink
+        self._pending: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}  # increments not yet in the sink
         self._flushed_at = clock()
         if sink is not None:  # every series exists from the start, at 0
             for name in self.counters:
@@ -61,10 +66,12 @@ class EngineMetrics:
                 sink.increment("spec_decode_num_accepted_tokens_per_pos", 0, {"position": str(position)})
             for reason in FINISH_REASONS:
                 sink.increment("spec_decode_finished_requests", 0, {"reason": reason})
+            for phase in STEP_PHASES:
+                sink.increment("spec_decode_step_seconds", 0, {"phase": phase})
             for name in GAUGES:
                 sink.set(name, 0, {})
 
-    def _add(self, name: str, value: int, labels: dict[str, str] | None = None) -> None:
+    def _add(self, name: str, value: float, labels: dict[str, str] | None = None) -> None:
         if labels is None:
             self.counters[name] += value
         if self._sink is not None and value:
@@ -96,6 +103,13 @@ class EngineMetrics:
         for position in range(num_accepted):
             self.accepted_per_position[position] += 1
             self._add("spec_decode_num_accepted_tokens_per_pos", 1, {"position": str(position)})
+
+    def step(self, seconds: dict[str, float]) -> None:
+        """One engine step took `seconds` per phase (STEP_PHASES)."""
+        self._add("spec_decode_steps", 1)
+        for phase, value in seconds.items():
+            self.step_seconds[phase] += value
+            self._add("spec_decode_step_seconds", value, {"phase": phase})
 
     def finish(self, reason: str) -> None:
         """A request ends: counted, and everything pending flushed before its final response goes out."""

@@ -125,6 +125,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._phases = {"mtp": 0.0, "target": 0.0, "respond": 0.0}
         self._publish()
 
     # ---- requests in -------------------------------------------------------------------------
@@ -183,6 +184,8 @@ class Scheduler:
 
     def step(self) -> None:
         """One engine step over all live sequences."""
+        start = time.perf_counter()
+        self._phases = {"mtp": 0.0, "target": 0.0, "respond": 0.0}  # seconds of this step, added by _timed
         self._drop_cancelled()
         self._drop_expired()
         self._admit()
@@ -192,7 +195,15 @@ class Scheduler:
             if drafting:
                 self._guarded(drafting, self._propose)
             self._guarded([s for s in live if s in self._live], self._verify)
+            self.metrics.step({**self._phases, "engine": time.perf_counter() - start - sum(self._phases.values())})
         self._publish()
+
+    def _timed(self, phase: str, call, *args):
+        start = time.perf_counter()
+        try:
+            return call(*args)
+        finally:
+            self._phases[phase] += time.perf_counter() - start
 
     def _guarded(self, rows: list[_Sequence], hop) -> None:
         """Run a hop; if it fails, the sequences in it get the error and the loop goes on."""
@@ -263,7 +274,7 @@ class Scheduler:
         num_draft = torch.tensor(wanted, dtype=torch.int64)  # [B]
         batch = DraftBatch(**_row_params(rows, [not s.drafting for s in rows]),
                            token_ids=token_ids, hidden=hidden, positions=positions, num_draft=num_draft)
-        result = self._hops.mtp(batch)
+        result = self._timed("mtp", self._hops.mtp, batch)
         self.metrics.hop()
         draft_ids = result.draft_ids.tolist()  # [B][K]
         for b, (s, k) in enumerate(zip(rows, wanted)):
@@ -299,7 +310,7 @@ class Scheduler:
         batch = TargetBatch(**_row_params(rows, [not s.prefilled for s in rows]),
                             token_ids=token_ids, positions=positions, num_draft=num_draft,
                             draft_top_ids=top_ids, draft_top_probs=top_probs)
-        result = self._hops.target(batch)
+        result = self._timed("target", self._hops.target, batch)
         self.metrics.hop()
         num_accepted, output_ids, logprobs = (result.num_accepted.tolist(), result.output_ids.tolist(),
                                               result.logprobs.tolist())  # [B], [B][K+1], [B][K+1]
@@ -338,7 +349,7 @@ class Scheduler:
         if s.finish_reason:
             self._finish(s, step_ids, step_logprobs)
         elif s.request.stream:
-            s.handle.send(self._response(s, step_ids, step_logprobs), final=False)
+            self._timed("respond", s.handle.send, self._response(s, step_ids, step_logprobs), False)
 
     def _emit(self, s: _Sequence, new_ids: list[int], new_logprobs: list[float]) -> tuple[list[int], list[float]]:
         """Append tokens until EOS, a stop word or max_tokens; returns the ones appended."""
@@ -409,7 +420,7 @@ class Scheduler:
             step_ids, step_logprobs = s.output_ids, s.logprobs
         response = self._response(s, step_ids, step_logprobs, final=True)
         try:
-            s.handle.send(response, final=True)
+            self._timed("respond", s.handle.send, response, True)
         except Exception:  # noqa: BLE001 - the client is gone; nothing is left to tell it
             pass
 
@@ -428,4 +439,7 @@ class Scheduler:
 
     def _publish(self) -> None:
         self.metrics.occupancy(len(self._live), self.slots.num_free, len(self._waiting))
-        self.metrics.flush_if_due()
+        if self._live or self._waiting:
+            self.metrics.flush_if_due()
+        else:  # idle: the counters are exact until the next request
+            self.metrics.flush()

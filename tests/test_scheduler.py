@@ -203,7 +203,7 @@ class RecordingSink:
 
 
 def test_the_metric_sink_gets_coalesced_updates_that_add_up_to_the_counters(models):
-    from triton_mtp.serving.metrics import FLUSH_INTERVAL_S, EngineMetrics
+    from triton_mtp.serving.metrics import FLUSH_INTERVAL_S, STEP_PHASES, EngineMetrics
 
     now = [0.0]
     sink = RecordingSink()
@@ -221,7 +221,8 @@ def test_the_metric_sink_gets_coalesced_updates_that_add_up_to_the_counters(mode
     now[0] += FLUSH_INTERVAL_S
     engine.step()
     assert sink.totals[("spec_decode_hops", ())] == metrics.counters["spec_decode_hops"]  # flushed, coalesced
-    assert sink.calls - calls <= len(metrics.counters) + 2  # one per changed series (k = 2: two positions)
+    # one call per changed series: the counters, two draft positions (k = 2), the step phases
+    assert sink.calls - calls <= len(metrics.counters) + 2 + len(STEP_PHASES)
     engine.run_until_idle()
     assert all(h.final is not None for h in handles)
     for name, value in metrics.counters.items():
@@ -229,6 +230,8 @@ def test_the_metric_sink_gets_coalesced_updates_that_add_up_to_the_counters(mode
     for position, value in enumerate(metrics.accepted_per_position):
         assert sink.totals[("spec_decode_num_accepted_tokens_per_pos", (("position", str(position)),))] == value
     assert sink.totals[("spec_decode_finished_requests", (("reason", "length"),))] == 4
+    for phase, seconds in metrics.step_seconds.items():  # every phase of a streaming, drafting step takes time
+        assert seconds > 0 and sink.totals[("spec_decode_step_seconds", (("phase", phase),))] == pytest.approx(seconds)
     assert sink.gauges == {"spec_decode_free_slots": MAX_SLOTS, "spec_decode_waiting_requests": 0,
                            "spec_decode_live_sequences": 0}
 

@@ -142,6 +142,9 @@ def test_greedy_speculation_equals_plain_greedy_for_every_k(server):
     after = metrics(server)
     assert after["spec_decode_num_accepted_tokens"] > before["spec_decode_num_accepted_tokens"]
     assert after['spec_decode_num_accepted_tokens_per_pos{position="3"}'] > 0
+    assert after["spec_decode_steps"] > before["spec_decode_steps"]
+    for phase in ("mtp", "target", "respond", "engine"):  # the engine's time per step phase, as Triton serves it
+        assert after[f'spec_decode_step_seconds{{phase="{phase}"}}'] > before[f'spec_decode_step_seconds{{phase="{phase}"}}']
 
 
 def test_greedy_tokens_and_logprobs_equal_transformers_generate(server, drafting_checkpoint):
