@@ -237,8 +237,9 @@ def run(args: argparse.Namespace, url: str, metrics_url: str) -> dict:
         run_level(url, metrics_url, prompts, 1, args.warmup, args.max_tokens, k)
         level = run_level(url, metrics_url, prompts, 1, len(prompts), args.max_tokens, k, keep_outputs=True)
         result["batch1"][str(k)] = level
+        phases = ", ".join(f"{phase} {ms:.2f}" for phase, ms in level["step_ms"].items())
         print(f"triton batch 1, k={k}: {level['tokens_per_s']:.1f} tokens/s, "
-              f"{level['hops_per_token']:.2f} hops/token", flush=True)
+              f"{level['hops_per_token']:.2f} hops/token, ms per step: {phases}", flush=True)
         write_result(args.out, result)  # what is done so far survives a time limit
     spec = {k: result["batch1"][str(k)]["tokens_per_s"] for k in draft_counts}
     best_k = max(spec, key=spec.get) if spec else 0
