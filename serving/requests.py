@@ -78,19 +78,25 @@ class GenerationResponse:
     total_accepted_draft_tokens: int
     accepted_per_position: list[int]
 
-    def to_arrays(self) -> dict[str, np.ndarray]:
+    def to_arrays(self, final: bool = True) -> dict[str, np.ndarray]:
+        """The response tensors. A streamed, non-final response carries the step's tokens only (text,
+        ids, logprobs): every tensor is a shared-memory allocation in the Python backend, and the
+        finish reason and totals come with the final response."""
         arrays = {
             "text_output": np.array([self.text_output.encode("utf-8")], dtype=np.object_),
             "output_ids": np.array(self.output_ids, dtype=np.int32),
-            "finish_reason": np.array([self.finish_reason.encode("utf-8")], dtype=np.object_),
-            "num_input_tokens": np.array([self.num_input_tokens], dtype=np.int32),
-            "num_output_tokens": np.array([self.num_output_tokens], dtype=np.int32),
-            "total_draft_tokens": np.array([self.total_draft_tokens], dtype=np.int32),
-            "total_accepted_draft_tokens": np.array([self.total_accepted_draft_tokens], dtype=np.int32),
-            "accepted_per_position": np.array(self.accepted_per_position, dtype=np.int32),
         }
         if self.logprobs is not None:
             arrays["logprobs"] = np.array(self.logprobs, dtype=np.float32)
+        if final:
+            arrays.update({
+                "finish_reason": np.array([self.finish_reason.encode("utf-8")], dtype=np.object_),
+                "num_input_tokens": np.array([self.num_input_tokens], dtype=np.int32),
+                "num_output_tokens": np.array([self.num_output_tokens], dtype=np.int32),
+                "total_draft_tokens": np.array([self.total_draft_tokens], dtype=np.int32),
+                "total_accepted_draft_tokens": np.array([self.total_accepted_draft_tokens], dtype=np.int32),
+                "accepted_per_position": np.array(self.accepted_per_position, dtype=np.int32),
+            })
         return arrays
 
 

@@ -64,7 +64,7 @@ class ResponseSender:
         self._sender = request.get_response_sender()
 
     def send(self, response: GenerationResponse, final: bool) -> None:
-        self._sender.send(_response(response.to_arrays()), flags=FINAL if final else 0)
+        self._sender.send(_response(response.to_arrays(final)), flags=FINAL if final else 0)
 
     def send_error(self, message: str) -> None:
         self._sender.send(_error(message, pb_utils.TritonError.INTERNAL), flags=FINAL)

@@ -177,7 +177,8 @@ def test_concurrent_mixed_streams_equal_the_same_requests_one_by_one(server):
     assert sum(len(r) for r in together) > 2 * len(together), "streams should send one response per step"
     for responses in together:
         assert responses[-1].get("final") and not any(r.get("final") for r in responses[:-1])
-        assert all(r["finish_reason"][0] == b"" for r in responses[:-1])
+        assert all(set(r) <= {"text_output", "output_ids", "logprobs", "final"} for r in responses[:-1]), \
+            "a streamed step carries its tokens only; the finish reason and totals come last"
         assert final(responses)["num_output_tokens"][0] == len(tokens(responses))
         assert final(responses)["finish_reason"][0] in (b"length", b"stop")
     live = metrics(server)
