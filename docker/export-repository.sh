@@ -24,6 +24,7 @@ set -- --checkpoint "$CHECKPOINT_DIR" --repository "$MODEL_REPOSITORY"
 [ -n "${TENSOR_PARALLEL:-}" ] && set -- "$@" --tensor-parallel "$TENSOR_PARALLEL"
 [ -n "${HOPS:-}" ] && set -- "$@" --hops "$HOPS"
 [ "${CUDA_GRAPHS:-true}" = false ] && set -- "$@" --no-cuda-graphs
+[ "${COMPILE_GRAPHS:-false}" = true ] && set -- "$@" --compile-graphs
 
 mkdir -p "$MODEL_REPOSITORY"
 find "$MODEL_REPOSITORY" -mindepth 1 -maxdepth 1 -exec rm -rf {} +  # no stale model from an earlier export
