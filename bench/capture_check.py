@@ -52,8 +52,9 @@ def check(repository: Path, device: torch.device) -> dict:
     manifest = _manifest(repository)
     fmt, max_slots, max_draft = manifest["format"], manifest["sizes"]["max_slots"], manifest["sizes"]["max_draft_tokens"]
     artifacts = manifest["artifacts"]  # under target/1 and mtp/1, or spec_decode/1 with local hops
-    target = load_step(repository / artifacts["target"], fmt, device)  # compiled or not, as exported
-    mtp = load_step(repository / artifacts["mtp_0"], fmt, device)  # every mtp_<i> beside it
+    compile = manifest.get("compile_graphs", False)  # as a graphed model loads its steps
+    target = load_step(repository / artifacts["target"], fmt, device, compile=compile)
+    mtp = load_step(repository / artifacts["mtp_0"], fmt, device, compile=compile)  # every mtp_<i> beside it
     layers = len(mtp.graphs)
     one = torch.ones(1, 1, dtype=torch.long, device=device)  # [1, 1]
     slot = torch.zeros(1, dtype=torch.long, device=device)  # [1]

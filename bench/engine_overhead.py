@@ -65,15 +65,13 @@ def run(args: argparse.Namespace) -> dict:
     if args.compile:  # as the eager format loads its steps
         target, mtp = torch.compile(target, dynamic=True), torch.compile(mtp, dynamic=True)
     window, mtp_step = verify_window(target), mtp
-    chain = fallback = functools.partial(draft_chain, mtp, layers)
+    chain = functools.partial(draft_chain, mtp, layers)
     if args.graphs:  # as the served models wrap their steps
         max_draft = max(draft_counts)
         window = graphs.GraphedTarget(window, len(prompts), graphs.target_width(max_draft), device)
         mtp_step = graphs.GraphedMTP(mtp, layers, len(prompts), graphs.mtp_width(max_draft, layers), config.hidden_size,
                                      dtype, device)
-        fallback = functools.partial(draft_chain, mtp_step, layers)
-        chain = graphs.GraphedDraftChain(chain, fallback, max_draft, len(prompts), graphs.target_width(max_draft),
-                                         config.hidden_size, dtype, device)
+        chain = graphs.draft_chain_graphs(mtp, mtp_step, max_draft)
     timed_target, timed_mtp = TimedStep(window, device), TimedStep(chain, device)  # greedy: every MTP call is in the chain
     hops = InProcessHops(TargetWorker(timed_target, len(prompts), device),
                          DraftWorker(mtp_step, layers, len(prompts), device, dtype, greedy=timed_mtp))

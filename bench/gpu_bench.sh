@@ -5,8 +5,9 @@
 #
 # Run from the repository root. Stages, each under its own time limit; a stage that fails or runs out
 # of time is logged and the others still run:
-#   engine      (on a GPU) bench/engine_overhead.py, the engine in process with its decode graphs, 1 and 32
-#               prompts, k = 0 and 3, model steps compiled and not: $OUT/engine/
+#   engine      (on a GPU, only when BENCH_ONLY names it) bench/engine_overhead.py, the engine in process
+#               with its decode graphs, 1 and 32 prompts, k = 0 and 3, model steps compiled and not:
+#               $OUT/engine/
 #   export      triton-mtp export of the checkpoint into a model repository (BENCH_FORMAT; on a GPU eager,
 #               whose decode calls the served models replay from CUDA graphs: --no-compile, or with
 #               BENCH_COMPILE=1 also --compile-graphs; on CPU torchscript)
@@ -151,7 +152,8 @@ PY
 say "checkpoint $checkpoint, device $device, dtype $dtype, max_seq_len $max_seq_len"
 
 # ---- stages ----------------------------------------------------------------------------------------
-if [ "$device" = cuda ]; then  # the engine in process, graphed: per batch size, model steps compiled or not
+if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" engine "* ]]; then  # on request: the engine in process,
+    # graphed, per batch size, model steps compiled or not (compiling takes minutes of the deadline)
     mkdir -p "$OUT/engine"
     for b in 1 32; do
         for compiled in "" --compile; do

@@ -154,6 +154,7 @@ def write_repository(
         "device": device,
         "tensor_parallel_size": tensor_parallel,
         "hops": hops,
+        "compile_graphs": compile_graphs,
         "checkpoint": str(checkpoint_dir.resolve()),
         "torch_version": torch.__version__,
         "sizes": {k: values[k] for k in ("max_slots", "max_seq_len", "max_draft_tokens", "default_num_draft_tokens",

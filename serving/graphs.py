@@ -15,7 +15,7 @@ K (`workers.draft_chain`, its K MTP calls and the ops between them), so a greedy
 two graphs and few kernels besides. Sampled steps draw between calls and replay the per-layer `mtp`
 graphs.
 
-Graphs of one wrapper share one memory pool for their intermediates (captured largest first): they
+Graphs of one worker share one memory pool for their intermediates (captured largest first): they
 never run at once, and callers read the outputs before the next replay. Each bucket keeps its own
 static inputs and outputs, about 4 · b · W · (V + H) bytes per bucket b: for a 129k vocabulary, 64
 slots and W = 5, about 350 MB for the target's buckets together.
@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from triton_mtp.serving.workers import draft_chain
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 Step = Callable[..., tuple[torch.Tensor, ...]]
@@ -106,12 +108,14 @@ class _GraphedStep:
 
     def __init__(self, step: Step, max_batch: int, width: int, device: torch.device,
                  keys: Sequence[int | None], hidden: tuple[int, torch.dtype] | None,
-                 graph: Callable[..., Step]) -> None:
+                 graph: Callable[..., Step], pool=None) -> None:
         self.step, self.width, self.device, self.hidden = step, width, torch.device(device), hidden
         self.buckets = batch_buckets(max_batch)
         self.graphs: dict[tuple[int | None, int], Step] = {}
         with self.on_device():
-            pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+            if pool is None and self.device.type == "cuda":
+                pool = torch.cuda.graph_pool_handle()
+            self.pool = pool  # another wrapper of the same worker may capture into it
             for key in keys:
                 for b in reversed(self.buckets):  # largest first: later captures reuse the pool's blocks
                     self.graphs[key, b] = graph(self._bound(key), self._example(b), pool=pool)
@@ -128,8 +132,8 @@ class _GraphedStep:
         """Set what the check needs beyond token ids 1 and random hidden states (in place)."""
 
     def check_against_eager(self, tolerance: float = 5e-2) -> None:
-        """Replay every graph on inputs unlike its capture example and compare its first output with the
-        eager step's (logits: by relative error; ids: exactly).
+        """Replay every graph on inputs unlike its capture example and compare its outputs with the eager
+        step's (floating point: by relative error; ids and counts: exactly).
 
         Token ids 1 (and random hidden states) rather than the capture's zeros, so a graph that captured
         nothing (it would return the capture-time outputs) fails. Every position is -1: the check writes
@@ -146,17 +150,18 @@ class _GraphedStep:
                         x.normal_(generator=generator)
                 self._checked(key, inputs)
                 with torch.no_grad():
-                    expected = self._bound(key)(*inputs)[0]
-                got = replay(*inputs)[0]
-                if expected.is_floating_point():
-                    error = float((got.float() - expected.float()).abs().max() / expected.float().abs().max().clamp(min=1e-6))
-                    wrong = f"max relative error {error:.2e} > {tolerance:.0e}" if not error <= tolerance else ""
-                else:
-                    wrong = "" if torch.equal(got, expected) else f"{int((got != expected).sum())} ids differ"
-                if wrong:
-                    raise RuntimeError(f"CUDA graph of {self._name(key)} (batch {b}) differs from eager: {wrong}")
+                    expected = self._bound(key)(*inputs)
+                for n, (e, g) in enumerate(zip(expected, replay(*inputs))):
+                    if e.is_floating_point():
+                        error = float((g.float() - e.float()).abs().max() / e.float().abs().max().clamp(min=1e-6))
+                        wrong = f"max relative error {error:.2e} > {tolerance:.0e}" if not error <= tolerance else ""
+                    else:
+                        wrong = "" if torch.equal(g, e) else f"{int((g != e).sum())} ids differ"
+                    if wrong:
+                        raise RuntimeError(f"CUDA graph of {self.name(key)} (batch {b}) differs from eager in output "
+                                           f"{n}: {wrong}")
 
-    def _name(self, key: int | None) -> str:
+    def name(self, key: int | None = None) -> str:
         raise NotImplementedError
 
     def _example(self, b: int) -> list[torch.Tensor]:
@@ -220,7 +225,10 @@ class GraphedTarget(_GraphedStep):
         return lambda token_ids, positions, slot_ids, num_draft: self.step(token_ids, positions, slot_ids, num_draft,
                                                                            self.width - 1)
 
-    def _name(self, key: int | None) -> str:
+    def _checked(self, key: int | None, inputs: list[torch.Tensor]) -> None:
+        inputs[-1].fill_(self.width - 1)  # every row "verifies" a full window of drafts
+
+    def name(self, key: int | None = None) -> str:
         return "target"
 
     def __call__(self, token_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
@@ -247,8 +255,8 @@ class GraphedMTP(_GraphedStep):
     def _bound(self, key: int | None) -> Step:
         return lambda token_ids, hidden, positions, slot_ids: self.step(token_ids, hidden, positions, slot_ids, key)
 
-    def _name(self, key: int | None) -> str:
-        return f"mtp layer {key}"
+    def name(self, key: int | None = None) -> str:
+        return "mtp" if key is None else f"mtp layer {key}"
 
     def __call__(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
                  layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,7 +264,7 @@ class GraphedMTP(_GraphedStep):
             return self.step(token_ids, hidden, positions, slot_ids, layer)
         B, T = token_ids.shape
         logits, out = self._replay(layer % self.num_layers, (token_ids, hidden, positions, slot_ids))  # [b, W, V], [b, W, H]
-        return logits[:B, :T].clone(), out[:B, :T].clone()  # the drafting chain keeps them across calls
+        return logits[:B, :T], out[:B, :T].clone()  # the drafting chain keeps `out` across calls, not the logits
 
 
 class GraphedDraftChain(_GraphedStep):
@@ -269,8 +277,9 @@ class GraphedDraftChain(_GraphedStep):
 
     def __init__(self, chain: Callable[..., torch.Tensor], fallback: Callable[..., torch.Tensor], max_draft: int,
                  max_batch: int, width: int, hidden_size: int, hidden_dtype: torch.dtype, device: torch.device,
-                 graph: Callable[..., Step] = CapturedStep) -> None:
-        super().__init__(chain, max_batch, width, device, range(1, max_draft + 1), (hidden_size, hidden_dtype), graph)
+                 graph: Callable[..., Step] = CapturedStep, pool=None) -> None:
+        super().__init__(chain, max_batch, width, device, range(1, max_draft + 1), (hidden_size, hidden_dtype), graph,
+                         pool)
         self.fallback, self.max_draft = fallback, max_draft
 
     def _bound(self, key: int | None) -> Step:
@@ -279,8 +288,8 @@ class GraphedDraftChain(_GraphedStep):
     def _checked(self, key: int | None, inputs: list[torch.Tensor]) -> None:
         inputs[-1].fill_(key)  # every row drafts all K: positions stay -1, nothing but scratch is written
 
-    def _name(self, key: int | None) -> str:
-        return f"the drafting chain (K={key})"
+    def name(self, key: int | None = None) -> str:
+        return "the drafting chain" if key is None else f"the drafting chain (K={key})"
 
     def __call__(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
                  num_draft: torch.Tensor, K: int) -> torch.Tensor:
@@ -288,6 +297,16 @@ class GraphedDraftChain(_GraphedStep):
             return self.fallback(token_ids, hidden, positions, slot_ids, num_draft, K)
         (draft_ids,) = self._replay(K, (token_ids, hidden, positions, slot_ids, num_draft))  # [b, K]
         return draft_ids[: token_ids.shape[0]]
+
+
+def draft_chain_graphs(runner: Step, mtp: GraphedMTP, max_draft: int,
+                       graph: Callable[..., Step] = CapturedStep) -> GraphedDraftChain:
+    """Argmax drafting graphed whole: `workers.draft_chain` over `runner` (the MTP step that `mtp`'s per-layer
+    graphs wrap), in `mtp`'s memory pool, falling back to the chain over `mtp` for calls that do not fit."""
+    layers, (size, dtype) = mtp.num_layers, mtp.hidden
+    return GraphedDraftChain(lambda *inputs: draft_chain(runner, layers, *inputs),
+                             lambda *inputs: draft_chain(mtp, layers, *inputs), max_draft, mtp.buckets[-1],
+                             target_width(max_draft), size, dtype, mtp.device, graph, mtp.pool)
 
 
 def with_decode_graphs(build: Callable[[], _GraphedStep], step: Step, log: Callable[[str], None]) -> Step:
@@ -298,7 +317,7 @@ def with_decode_graphs(build: Callable[[], _GraphedStep], step: Step, log: Calla
     except Exception as exc:  # noqa: BLE001 - eager is always a correct fallback
         log(f"CUDA graphs off, running eager: {type(exc).__name__}: {exc}")
         return step
-    log(f"CUDA graphs captured for batch sizes {graphed.buckets} x {graphed.width} tokens")
+    log(f"CUDA graphs of {graphed.name()} captured for batch sizes {graphed.buckets} x {graphed.width} tokens")
     return graphed
 
 

@@ -3,6 +3,7 @@ and metrics. The engine modules stay importable (and testable) without a server.
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Callable
@@ -132,7 +133,7 @@ class TritonMetricSink:
             self._metrics[key] = self._families[name].Metric(labels=labels)
         return self._metrics[key]
 
-    def increment(self, name: str, value: int, labels: dict[str, str]) -> None:
+    def increment(self, name: str, value: float, labels: dict[str, str]) -> None:
         self._metric(name, labels).increment(value)
 
     def set(self, name: str, value: int, labels: dict[str, str]) -> None:
@@ -213,17 +214,9 @@ def draft_worker(directory: Path, params: dict[str, str], device: torch.device, 
 
     runner, step = load_model_step(directory, params, device, graphed)
     greedy = None
-    if step is not runner:  # graphed: the whole argmax chain too
-
-        def chain(*inputs):
-            return draft_chain(runner, num_layers, *inputs)
-
-        def fallback(*inputs):
-            return draft_chain(step, num_layers, *inputs)
-
-        greedy = graphs.with_decode_graphs(
-            lambda: graphs.GraphedDraftChain(chain, fallback, max_draft, max_slots, graphs.target_width(max_draft),
-                                             hidden_size, dtype, device), fallback, log)
+    if isinstance(step, graphs.GraphedMTP):  # graphed: the whole argmax chain too
+        greedy = graphs.with_decode_graphs(lambda: graphs.draft_chain_graphs(runner, step, max_draft),
+                                           functools.partial(draft_chain, step, num_layers), log)
     return runner, DraftWorker(step, num_layers, max_slots, device, dtype, greedy)
 
 

@@ -12,8 +12,8 @@ import torch
 from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.export.graphs import export_graphs, load_step
 from triton_mtp.serving.graphs import (
-    EagerReplay, GraphedDraftChain, GraphedMTP, GraphedTarget, batch_buckets, compile_graphs, graphs_wanted,
-    with_decode_graphs,
+    EagerReplay, GraphedDraftChain, GraphedMTP, GraphedTarget, batch_buckets, compile_graphs, draft_chain_graphs,
+    graphs_wanted, with_decode_graphs,
 )
 from triton_mtp.serving.requests import EngineLimits, GenerationRequest, default_limits
 from triton_mtp.serving.scheduler import Scheduler
@@ -148,10 +148,24 @@ def test_graphed_eager_format_runners_equal_the_plain_runners(twins, drafting_ch
                 torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("num_draft_tokens", [0, 1, 3])
-def test_the_engine_over_graphed_workers_emits_what_it_emits_eager(drafting_checkpoint, num_draft_tokens):
-    """Greedy tokens and logprobs of the scheduler over graphed workers equal the eager workers', for rows
-    joining, drafting and finishing at different steps (prefill batches run eager, the rest replay)."""
+class BufferedReplay(EagerReplay):
+    """`EagerReplay` whose outputs, like a CUDA graph's, live in buffers that every replay overwrites: a
+    caller that reads a result after the next replay reads the wrong values."""
+
+    def replay(self):
+        outputs = super().replay()
+        if not hasattr(self, "outputs"):
+            self.outputs = tuple(torch.empty_like(x) for x in outputs)
+        for buffer, x in zip(self.outputs, outputs):
+            buffer.copy_(x)
+        return self.outputs
+
+
+@pytest.mark.parametrize("num_draft_tokens, temperature", [(0, 0.0), (1, 0.0), (3, 0.0), (2, 0.8)])
+def test_the_engine_over_graphed_workers_emits_what_it_emits_eager(drafting_checkpoint, num_draft_tokens, temperature):
+    """Tokens and logprobs of the scheduler over graphed workers (outputs in replay-owned buffers) equal the
+    eager workers', greedy and seeded sampling, for rows joining, drafting and finishing at different
+    steps (prefill batches run eager, the rest replay)."""
     slots, max_draft = 4, 3
     outputs = []
     for graphed in (False, True):
@@ -160,11 +174,9 @@ def test_the_engine_over_graphed_workers_emits_what_it_emits_eager(drafting_chec
         layers, H, cpu = config.num_nextn_predict_layers, config.hidden_size, torch.device("cpu")
         window, mtp_step, greedy = verify_window(target), mtp, None
         if graphed:
-            window = GraphedTarget(window, slots, max_draft + 1, cpu, graph=EagerReplay)
-            mtp_step = GraphedMTP(mtp, layers, slots, max_draft + layers, H, torch.float32, cpu, graph=EagerReplay)
-            greedy = GraphedDraftChain(lambda *inputs: draft_chain(mtp, layers, *inputs),
-                                       lambda *inputs: draft_chain(mtp_step, layers, *inputs), max_draft, slots,
-                                       max_draft + 1, H, torch.float32, cpu, graph=EagerReplay)
+            window = GraphedTarget(window, slots, max_draft + 1, cpu, graph=BufferedReplay)
+            mtp_step = GraphedMTP(mtp, layers, slots, max_draft + layers, H, torch.float32, cpu, graph=BufferedReplay)
+            greedy = draft_chain_graphs(mtp, mtp_step, max_draft, graph=BufferedReplay)
         hops = InProcessHops(TargetWorker(window, slots), DraftWorker(mtp_step, layers, slots, greedy=greedy))
         limits = EngineLimits(max_slots=slots, max_seq_len=MAX_SEQ_LEN, vocab_size=config.vocab_size,
                               max_draft_tokens=max_draft, default_num_draft_tokens=0, eos_token_id=-1,
@@ -175,7 +187,7 @@ def test_the_engine_over_graphed_workers_emits_what_it_emits_eager(drafting_chec
         for n, handle in enumerate(handles):
             prompt = torch.randint(2, config.vocab_size, (3 + 2 * n,), generator=gen).tolist()
             engine.submit(GenerationRequest(input_ids=prompt, max_tokens=5 + 3 * n, num_draft_tokens=num_draft_tokens,
-                                            return_logprobs=True), handle)
+                                            temperature=temperature, seed=7 + n, return_logprobs=True), handle)
         engine.run_until_idle()
         outputs.append([(h.response.output_ids, h.response.logprobs) for h in handles])
     for (eager_ids, eager_logprobs), (graphed_ids, graphed_logprobs) in zip(*outputs):
@@ -246,7 +258,7 @@ def test_a_graph_that_disagrees_with_eager_falls_back_to_the_step(twins):
     lines.clear()
     step = with_decode_graphs(lambda: GraphedTarget(window, 2, WIDTH, torch.device("cpu"), graph=EagerReplay),
                               window, lines.append)
-    assert isinstance(step, GraphedTarget) and lines == ["CUDA graphs captured for batch sizes [1, 2] x 4 tokens"]
+    assert isinstance(step, GraphedTarget) and lines == ["CUDA graphs of target captured for batch sizes [1, 2] x 4 tokens"]
 
 
 def test_graphs_are_wanted_on_cuda_for_capturable_formats_only_and_compiled_on_request():
