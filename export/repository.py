@@ -58,6 +58,7 @@ def write_repository(
     eager_compile: bool = True,
     cuda_graphs: bool = True,
     compile_graphs: bool = False,
+    response_threads: int = 0,
     tensor_parallel: int = 1,
     hops: str = "bls",
     progress: bool = True,
@@ -70,7 +71,8 @@ def write_repository(
     layers, capped by it. `request_limits` overrides `serving.requests.default_limits` (prompt bytes and
     tokens, max_tokens cap, request timeout). `cuda_graphs` lets the `target` and `mtp` models on CUDA
     replay decode-time calls from captured graphs (serving/graphs.py), captured over torch.compile'd steps
-    with `compile_graphs`. `tensor_parallel` > 1 (eager format) makes the `target`
+    with `compile_graphs`. `response_threads` > 0 makes `spec_decode` send streamed responses from that
+    many threads (serving/responses.py). `tensor_parallel` > 1 (eager format) makes the `target`
     and `mtp` models shard over that many ranks at load (serving/parallel.py). Existing `target`,
     `mtp`, `spec_decode` folders in `repo_dir` are replaced. `hops` "local" makes `spec_decode` run the
     target and MTP workers in its own process instead of calling the `target` and `mtp` models (no BLS
@@ -136,6 +138,7 @@ def write_repository(
         "tensor_parallel_size": tensor_parallel,
         "cuda_graphs": "true" if cuda_graphs else "false",
         "compile_graphs": "true" if compile_graphs else "false",
+        "response_threads": response_threads,
         **_request_limits(max_seq_len, request_limits or {}),
     }
     values["spec_decode_kind"] = values["kind"] if hops == "local" else "KIND_CPU"  # a BLS engine holds no weights

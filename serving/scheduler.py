@@ -109,14 +109,17 @@ class Scheduler:
 
     def __init__(self, hops: Hops, limits: EngineLimits, metrics: EngineMetrics | None = None,
                  tokenizer: Tokenizer | None = None, clock: Callable[[], float] = time.monotonic,
-                 cancel_check_interval_s: float = 0.0) -> None:
+                 cancel_check_interval_s: float = 0.0, drain_responses: Callable[[], None] | None = None) -> None:
         """`cancel_check_interval_s`: how often live requests are asked whether they were cancelled (0:
-        every step); in Triton each question is a round trip to the server."""
+        every step); in Triton each question is a round trip to the server. `drain_responses`: when the
+        handles queue their sends (serving/responses.py), waits for the previous step's to go out; it is
+        called after a step's hops, before the step hands over its own."""
         self._hops = hops
         self._limits = limits
         self._tokenizer = tokenizer
         self._clock = clock
         self._cancel_check_interval_s = cancel_check_interval_s
+        self._drain_responses = drain_responses
         self._cancel_checked_at = -float("inf")
         self.metrics = metrics or EngineMetrics(limits.max_draft_tokens)
         self.slots = SlotPool(limits.max_slots)
@@ -312,6 +315,8 @@ class Scheduler:
                             draft_top_ids=top_ids, draft_top_probs=top_probs)
         result = self._timed("target", self._hops.target, batch)
         self.metrics.hop()
+        if self._drain_responses is not None:  # the previous step's responses went out during the hops
+            self._timed("respond", self._drain_responses)
         num_accepted, output_ids, logprobs = (result.num_accepted.tolist(), result.output_ids.tolist(),
                                               result.logprobs.tolist())  # [B], [B][K+1], [B][K+1]
         for b, s in enumerate(rows):

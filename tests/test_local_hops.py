@@ -23,8 +23,8 @@ VOCAB = 128
 @pytest.fixture(scope="module")
 def local_repository(drafting_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     repo = tmp_path_factory.mktemp("local_hops_repository")
-    write_repository(drafting_checkpoint, repo, max_slots=4, max_draft_tokens=4, hops="local", progress=False,
-                     log=lambda line: None)
+    write_repository(drafting_checkpoint, repo, max_slots=4, max_draft_tokens=4, hops="local", response_threads=2,
+                     progress=False, log=lambda line: None)  # every test here also sends from response threads
     return repo
 
 
@@ -50,6 +50,7 @@ def test_the_repository_holds_spec_decode_alone_with_the_artifacts_inside(local_
     assert sorted(p.name for p in (version / "mtp").glob("mtp_*.pt")) == ["mtp_0.pt", "mtp_1.pt"]
     config = (local_repository / "spec_decode" / "config.pbtxt").read_text()
     assert re.search(r'key: "hops", value: \{ string_value: "local" \}', config)
+    assert re.search(r'key: "response_threads", value: \{ string_value: "2" \}', config)
     assert "kind: KIND_CPU" in config
     manifest = json.loads((local_repository / "export.json").read_text())
     assert manifest["hops"] == "local"

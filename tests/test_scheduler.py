@@ -2,6 +2,8 @@
 eager tiny DeepSeek-V3 (two MTP layers), with the same hop payloads Triton carries."""
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -62,11 +64,12 @@ def limits(**overrides) -> EngineLimits:
     return EngineLimits(**{**values, **overrides})
 
 
-def scheduler(models, clock=None, metrics=None, cancel_check_interval_s=0.0, **overrides) -> Scheduler:
+def scheduler(models, clock=None, metrics=None, cancel_check_interval_s=0.0, drain_responses=None,
+              **overrides) -> Scheduler:
     target, mtp = models
     hops = InProcessHops(TargetWorker(verify_window(target), MAX_SLOTS), DraftWorker(mtp, NUM_MTP_LAYERS, MAX_SLOTS))
     return Scheduler(hops, limits(**overrides), metrics, **({"clock": clock} if clock else {}),
-                     cancel_check_interval_s=cancel_check_interval_s)
+                     cancel_check_interval_s=cancel_check_interval_s, drain_responses=drain_responses)
 
 
 def prompts(count: int, seed: int = 0) -> list[list[int]]:
@@ -280,6 +283,42 @@ def test_cancellation_is_checked_at_most_once_per_interval_and_still_caught(mode
     now[0] += 0.05
     engine.step()
     assert handle.final.finish_reason == "cancelled" and engine.slots.num_free == MAX_SLOTS
+
+
+class SlowHandle(Collect):
+    """Records which thread sent each response, taking `delay_s` per send (a round trip to the server)."""
+
+    def __init__(self, delay_s: float = 0.0, fail: bool = False) -> None:
+        super().__init__()
+        self.delay_s, self.fail, self.threads = delay_s, fail, set()
+
+    def send(self, response: GenerationResponse, final: bool) -> None:
+        time.sleep(self.delay_s)
+        self.threads.add(threading.current_thread().name)
+        if self.fail and not final:
+            raise ConnectionError("client gone")
+        super().send(response, final)
+
+
+def test_response_threads_keep_each_requests_order_and_drain_before_the_next_step(models):
+    from triton_mtp.serving.responses import ResponseThreads
+
+    batch = [GenerationRequest(p, 10, num_draft_tokens=2, stream=True) for p in prompts(6, seed=12)]
+    inline = run(scheduler(models), batch)
+    responses = ResponseThreads(3)
+    engine = scheduler(models, drain_responses=responses.drain)  # as spec_decode's model wires it
+    handles = [SlowHandle(delay_s=0.002, fail=(i == 5)) for i in range(len(batch))]
+    for request, handle in zip(batch, handles):
+        engine.submit(request, responses.handle(handle))
+    engine.run_until_idle()
+    responses.close()  # sends what is still queued
+    for got, expected in zip(handles[:5], inline):
+        assert [r for r, _ in got.responses] == [r for r, _ in expected.responses]  # same responses, in order
+        assert [final for _, final in got.responses] == [final for _, final in expected.responses]
+    assert handles[5].final.output_ids == inline[5].final.output_ids  # a failing send fails nothing else
+    assert len({name for h in handles for name in h.threads}) == 3 and all(len(h.threads) == 1 for h in handles)
+    with pytest.raises(ValueError, match="response_threads"):
+        ResponseThreads(0)
 
 
 def test_requests_beyond_the_queue_bound_are_refused(models):

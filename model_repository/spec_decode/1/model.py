@@ -3,24 +3,34 @@ steps all live sequences with one `mtp` and one `target` hop per step, as BLS ca
 `hops` local) with the workers in this process."""
 from triton_mtp.serving import triton_io
 from triton_mtp.serving.metrics import EngineMetrics
-from triton_mtp.serving.requests import TokenizerFile, engine_limits
+from triton_mtp.serving.requests import TokenizerFile, engine_limits, int_parameter
+from triton_mtp.serving.responses import ResponseThreads
 from triton_mtp.serving.scheduler import Scheduler
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.limits = engine_limits(triton_io.model_parameters(args))
+        params = triton_io.model_parameters(args)
+        self.limits = engine_limits(params)
         tokenizer_path = triton_io.artifact_dir(args) / "tokenizer.json"
         self.tokenizer = TokenizerFile(tokenizer_path) if tokenizer_path.exists() else None
         hops = triton_io.engine_hops(args)
         metrics = EngineMetrics(self.limits.max_draft_tokens, triton_io.TritonMetricSink())
+        threads = int_parameter(params, "response_threads", 0) if "response_threads" in params else 0
+        self.responses = ResponseThreads(threads) if threads else None  # else sent from the engine's step
         self.scheduler = Scheduler(hops, self.limits, metrics, self.tokenizer,
-                                   cancel_check_interval_s=triton_io.CANCEL_CHECK_INTERVAL_S)
+                                   cancel_check_interval_s=triton_io.CANCEL_CHECK_INTERVAL_S,
+                                   drain_responses=self.responses.drain if self.responses else None)
         self.scheduler.start()
 
     def execute(self, requests):
-        triton_io.submit_all(requests, self.limits, self.tokenizer, self.scheduler.submit)
+        triton_io.submit_all(requests, self.limits, self.tokenizer, self.submit)
         return None
+
+    def submit(self, request, sender):
+        self.scheduler.submit(request, self.responses.handle(sender) if self.responses else sender)
 
     def finalize(self):
         self.scheduler.stop()
+        if self.responses is not None:
+            self.responses.close()
