@@ -232,9 +232,10 @@ class GraphedTarget(_GraphedStep):
         return "target"
 
     def __call__(self, token_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
-                 num_draft: torch.Tensor, K: int) -> tuple[torch.Tensor, ...]:
+                 num_draft: torch.Tensor, K: int, greedy: bool = True) -> tuple[torch.Tensor, ...]:
+        """As `verify_window`'s step; a replay computes the greedy verification whatever `greedy` says."""
         if not self._fits(token_ids):
-            return self.step(token_ids, positions, slot_ids, num_draft, K)
+            return self.step(token_ids, positions, slot_ids, num_draft, K, greedy)
         B, T = token_ids.shape
         window_logits, draft_ids, num_accepted, output_ids, logprobs, hidden = self._replay(
             None, (token_ids, positions, slot_ids, num_draft))

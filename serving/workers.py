@@ -30,8 +30,9 @@ from triton_mtp.serving.sampling import SamplingParams, row_generator, sample, t
 
 TargetStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 MTPStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
-# (token_ids, positions, slot_ids, num_draft, K) -> (window_logits, draft_ids, num_accepted, output_ids, logprobs, hidden)
-WindowStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, ...]]
+# (token_ids, positions, slot_ids, num_draft, K, greedy) -> (window_logits, draft_ids, num_accepted, output_ids,
+# logprobs, hidden); the greedy verification's three are None when `greedy` is false
+WindowStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, bool], tuple[torch.Tensor, ...]]
 # (token_ids, hidden, positions, slot_ids, num_draft, K) -> draft_ids [B, K]
 ChainStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
@@ -62,14 +63,14 @@ def verify_window(target: TargetStep) -> WindowStep:
     """The target call and everything after it that needs no draws, as one function of tensors
     (the decode graphs capture it whole):
 
-    window(token_ids [B, T], positions [B, T], slot_ids [B], num_draft [B], K) returns
+    window(token_ids [B, T], positions [B, T], slot_ids [B], num_draft [B], K, greedy=True) returns
     window_logits [B, K+1, V] (each row's logits from the token before its drafts on), draft_ids [B, K],
-    greedy verification's num_accepted [B] and output_ids [B, K+1] with their logprobs [B, K+1], and
-    hidden [B, T, H] float32. Columns past a row's own num_draft are padding: a wider K changes none
-    of the rest.
+    greedy verification's num_accepted [B] and output_ids [B, K+1] with their logprobs [B, K+1] (None
+    when `greedy` is false: a sampled batch verifies by rejection sampling), and hidden [B, T, H]
+    float32. Columns past a row's own num_draft are padding: a wider K changes none of the rest.
     """
 
-    def window(token_ids, positions, slot_ids, num_draft, K):
+    def window(token_ids, positions, slot_ids, num_draft, K, greedy=True):
         logits, hidden = target(token_ids, positions, slot_ids)  # [B, T, V], [B, T, H]
         B, T, V = logits.shape
         length = (positions >= 0).sum(1)  # [B] valid tokens per row
@@ -77,6 +78,8 @@ def verify_window(target: TargetStep) -> WindowStep:
         index = (first.view(B, 1) + torch.arange(K + 1, device=logits.device)).clamp(0, T - 1)  # [B, K+1]
         window_logits = logits.gather(1, index.unsqueeze(-1).expand(B, K + 1, V))  # [B, K+1, V]
         draft_ids = token_ids.gather(1, index[:, 1:])  # [B, K]
+        if not greedy:
+            return window_logits, draft_ids, None, None, None, hidden.float()
         num_accepted, output_ids = verify_greedy(window_logits.argmax(-1), draft_ids, num_draft)  # [B], [B, K+1]
         logprobs = emitted_logprobs(window_logits, output_ids)  # [B, K+1]
         return window_logits, draft_ids, num_accepted, output_ids, logprobs, hidden.float()
@@ -280,7 +283,7 @@ class TargetWorker:
         draft_lengths = [] if all_greedy else batch.num_draft.unique().tolist()  # k values of the per-k verify
         batch = batch.to(self._device)
         window_logits, draft_ids, num_accepted, output_ids, logprobs, hidden = self._window(
-            batch.token_ids, batch.positions, batch.slot_ids, batch.num_draft, K)  # [B, K+1, V], ..., [B, T, H]
+            batch.token_ids, batch.positions, batch.slot_ids, batch.num_draft, K, all_greedy)  # [B, K+1, V], ..., [B, T, H]
         if not all_greedy:
             num_accepted, output_ids = self._verify_sampled(batch, window_logits, draft_ids, draft_lengths, generators)
             logprobs = emitted_logprobs(window_logits, output_ids)  # [B, K+1]

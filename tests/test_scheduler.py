@@ -290,10 +290,11 @@ class SlowHandle(Collect):
 
     def __init__(self, delay_s: float = 0.0, fail: bool = False) -> None:
         super().__init__()
-        self.delay_s, self.fail, self.threads = delay_s, fail, set()
+        self.delay_s, self.fail, self.threads, self.sent = delay_s, fail, set(), 0
 
     def send(self, response: GenerationResponse, final: bool) -> None:
         time.sleep(self.delay_s)
+        self.sent += 1  # attempted, failed or not
         self.threads.add(threading.current_thread().name)
         if self.fail and not final:
             raise ConnectionError("client gone")
@@ -306,12 +307,30 @@ def test_response_threads_keep_each_requests_order_and_drain_before_the_next_ste
     batch = [GenerationRequest(p, 10, num_draft_tokens=2, stream=True) for p in prompts(6, seed=12)]
     inline = run(scheduler(models), batch)
     responses = ResponseThreads(3)
-    engine = scheduler(models, drain_responses=responses.drain)  # as spec_decode's model wires it
-    handles = [SlowHandle(delay_s=0.002, fail=(i == 5)) for i in range(len(batch))]
+    handles = [SlowHandle(delay_s=0.02, fail=(i == 5)) for i in range(len(batch))]
+    handed, behind = [0], []
+
+    class Counted:  # what the engine hands over, as it hands it over
+        def __init__(self, handle) -> None:
+            self.handle = handle
+
+        def send(self, response, final) -> None:
+            handed[0] += 1
+            self.handle.send(response, final)
+
+        def is_cancelled(self) -> bool:
+            return self.handle.is_cancelled()
+
+    def drain() -> None:  # as spec_decode's model wires it, checking that nothing is left unsent after it
+        responses.drain()
+        behind.append(handed[0] - sum(h.sent for h in handles))
+
+    engine = scheduler(models, drain_responses=drain)
     for request, handle in zip(batch, handles):
-        engine.submit(request, responses.handle(handle))
+        engine.submit(request, Counted(responses.handle(handle)))
     engine.run_until_idle()
     responses.close()  # sends what is still queued
+    assert len(behind) > 5 and set(behind) == {0}, "each step waits for the previous step's responses"
     for got, expected in zip(handles[:5], inline):
         assert [r for r, _ in got.responses] == [r for r, _ in expected.responses]  # same responses, in order
         assert [final for _, final in got.responses] == [final for _, final in expected.responses]
