@@ -23,7 +23,6 @@ from .common import environment, step_time
 from triton_mtp.export.graphs import load_step
 from triton_mtp.export.repository import MANIFEST
 from triton_mtp.serving import graphs
-from triton_mtp.serving.workers import verify_window
 
 REPEATS = 200  # timed calls per step
 
@@ -62,11 +61,11 @@ def check(repository: Path, device: torch.device) -> dict:
     no_drafts = torch.zeros(1, dtype=torch.long, device=device)  # [1]
     builds = {
         "target": (target, [one, -one, slot],
-                   lambda: graphs.GraphedTarget(verify_window(target), max_slots, graphs.target_width(max_draft), device),
+                   lambda: graphs.target_graphs(target, max_slots, max_draft, device),
                    [one, -one, slot, no_drafts, 0]),
         "mtp": (mtp, [one, torch.zeros_like(hidden), -one, slot],
-                lambda: graphs.GraphedMTP(mtp, layers, max_slots, graphs.mtp_width(max_draft, layers), hidden.shape[-1],
-                                          hidden.dtype, device), None),
+                lambda: graphs.mtp_graphs(mtp, layers, max_slots, max_draft, hidden.shape[-1], hidden.dtype, device),
+                None),
     }
     result = {"format": fmt}
     for name, (runner, inputs, build, graphed_inputs) in builds.items():

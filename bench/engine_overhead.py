@@ -68,9 +68,8 @@ def run(args: argparse.Namespace) -> dict:
     chain = functools.partial(draft_chain, mtp, layers)
     if args.graphs:  # as the served models wrap their steps
         max_draft = max(draft_counts)
-        window = graphs.GraphedTarget(window, len(prompts), graphs.target_width(max_draft), device)
-        mtp_step = graphs.GraphedMTP(mtp, layers, len(prompts), graphs.mtp_width(max_draft, layers), config.hidden_size,
-                                     dtype, device)
+        window = graphs.target_graphs(target, len(prompts), max_draft, device)
+        mtp_step = graphs.mtp_graphs(mtp, layers, len(prompts), max_draft, config.hidden_size, dtype, device)
         chain = graphs.draft_chain_graphs(mtp, mtp_step, max_draft)
     timed_target, timed_mtp = TimedStep(window, device), TimedStep(chain, device)  # greedy: every MTP call is in the chain
     hops = InProcessHops(TargetWorker(timed_target, len(prompts), device),

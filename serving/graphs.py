@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from triton_mtp.serving.workers import draft_chain
+from triton_mtp.serving.workers import draft_chain, verify_window
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 Step = Callable[..., tuple[torch.Tensor, ...]]
@@ -298,6 +298,20 @@ class GraphedDraftChain(_GraphedStep):
             return self.fallback(token_ids, hidden, positions, slot_ids, num_draft, K)
         (draft_ids,) = self._replay(K, (token_ids, hidden, positions, slot_ids, num_draft))  # [b, K]
         return draft_ids[: token_ids.shape[0]]
+
+
+def target_graphs(runner: Step, max_batch: int, max_draft: int, device: torch.device,
+                  graph: Callable[..., Step] = CapturedStep) -> GraphedTarget:
+    """The served target's decode graphs: `workers.verify_window` over `runner`, up to the verify window
+    of `max_draft` drafts."""
+    return GraphedTarget(verify_window(runner), max_batch, target_width(max_draft), device, graph)
+
+
+def mtp_graphs(runner: Step, num_layers: int, max_batch: int, max_draft: int, hidden_size: int,
+               hidden_dtype: torch.dtype, device: torch.device, graph: Callable[..., Step] = CapturedStep) -> GraphedMTP:
+    """The served MTP's per-layer decode graphs, up to a layer's widest drafting call."""
+    return GraphedMTP(runner, num_layers, max_batch, mtp_width(max_draft, num_layers), hidden_size, hidden_dtype,
+                      device, graph)
 
 
 def draft_chain_graphs(runner: Step, mtp: GraphedMTP, max_draft: int,

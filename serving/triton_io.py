@@ -193,8 +193,7 @@ def target_worker(directory: Path, params: dict[str, str], device: torch.device,
     """(runner, worker) of the target artifacts in `directory`, as the `target` model serves them."""
 
     def graphed(runner):
-        width = graphs.target_width(int_parameter(params, "max_draft_tokens", 1))
-        return graphs.GraphedTarget(verify_window(runner), max_slots, width, device)
+        return graphs.target_graphs(runner, max_slots, int_parameter(params, "max_draft_tokens", 1), device)
 
     runner, window = load_model_step(directory, params, device, graphed, verify_window)
     return runner, TargetWorker(window, max_slots, device)
@@ -209,8 +208,7 @@ def draft_worker(directory: Path, params: dict[str, str], device: torch.device, 
     hidden_size = int_parameter(params, "hidden_size", 1)
 
     def graphed(runner):
-        width = graphs.mtp_width(max_draft, num_layers)
-        return graphs.GraphedMTP(runner, num_layers, max_slots, width, hidden_size, dtype, device)
+        return graphs.mtp_graphs(runner, num_layers, max_slots, max_draft, hidden_size, dtype, device)
 
     runner, step = load_model_step(directory, params, device, graphed)
     greedy = None

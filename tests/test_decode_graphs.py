@@ -13,7 +13,7 @@ from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.export.graphs import export_graphs, load_step
 from triton_mtp.serving.graphs import (
     EagerReplay, GraphedDraftChain, GraphedMTP, GraphedTarget, batch_buckets, compile_graphs, draft_chain_graphs,
-    graphs_wanted, with_decode_graphs,
+    graphs_wanted, mtp_graphs, target_graphs, with_decode_graphs,
 )
 from triton_mtp.serving.requests import EngineLimits, GenerationRequest, default_limits
 from triton_mtp.serving.scheduler import Scheduler
@@ -174,8 +174,8 @@ def test_the_engine_over_graphed_workers_emits_what_it_emits_eager(drafting_chec
         layers, H, cpu = config.num_nextn_predict_layers, config.hidden_size, torch.device("cpu")
         window, mtp_step, greedy = verify_window(target), mtp, None
         if graphed:
-            window = GraphedTarget(window, slots, max_draft + 1, cpu, graph=BufferedReplay)
-            mtp_step = GraphedMTP(mtp, layers, slots, max_draft + layers, H, torch.float32, cpu, graph=BufferedReplay)
+            window = target_graphs(target, slots, max_draft, cpu, graph=BufferedReplay)  # the served layout
+            mtp_step = mtp_graphs(mtp, layers, slots, max_draft, H, torch.float32, cpu, graph=BufferedReplay)
             greedy = draft_chain_graphs(mtp, mtp_step, max_draft, graph=BufferedReplay)
         hops = InProcessHops(TargetWorker(window, slots), DraftWorker(mtp_step, layers, slots, greedy=greedy))
         limits = EngineLimits(max_slots=slots, max_seq_len=MAX_SEQ_LEN, vocab_size=config.vocab_size,
