@@ -439,8 +439,10 @@ class Scheduler:
             pass
 
     def _release(self, s: _Sequence) -> None:
+        """Free the slot and publish it before the final response, so a client that reads the gauges after it sees them."""
         self._live.remove(s)
         self.slots.release(s.slot)
+        self.metrics.occupancy(len(self._live), self.slots.num_free, len(self._waiting))
 
     def _publish(self) -> None:
         self.metrics.occupancy(len(self._live), self.slots.num_free, len(self._waiting))

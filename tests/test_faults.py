@@ -9,6 +9,7 @@ its model (tritonserver 2.51 does not restart a killed stub by itself; see docs/
 from __future__ import annotations
 
 import os
+import queue
 import re
 import shutil
 import signal
@@ -16,8 +17,10 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
@@ -47,16 +50,45 @@ def request(index: int, max_tokens: int, prompt: tuple[int, ...] = (5, 6)) -> So
     return SoakRequest(index, "greedy", 0, prompt, max_tokens, 2)
 
 
-def run_together(server, requests: list[SoakRequest], timeout: float = 60.0) -> list:
-    results = [None] * len(requests)
+@dataclass
+class Together:
+    """Responses of requests sent back to back on one gRPC stream: tokens and final response by request
+    index, and the errors (a stream error names no request)."""
 
-    def one(i: int) -> None:
-        results[i] = run_one(grpcclient.InferenceServerClient(server.grpc_url), requests[i], timeout=timeout)
+    deltas: dict[int, list[int]] = field(default_factory=dict)
+    finals: dict[int, dict] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
-    for thread in threads:
-        thread.start()
-    return threads, results
+
+def send_together(server, requests: list[SoakRequest], timeout: float = 60.0) -> tuple[threading.Thread, Together]:
+    """Send `requests` on one stream within a millisecond or so, so that all of them reach the server
+    before the first one can finish, and collect their responses on a thread until each has ended."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    arrived: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: arrived.put((result, error)))
+    for r in requests:
+        client.async_stream_infer("spec_decode", r.inputs(), request_id=str(r.index), enable_empty_final_response=True)
+    together = Together()
+
+    def collect() -> None:
+        try:
+            while len(together.finals) + len(together.errors) < len(requests):
+                result, error = arrived.get(timeout=timeout)
+                if error is not None:
+                    together.errors.append(str(error))
+                    continue
+                message = result.get_response()
+                outputs = {o.name: result.as_numpy(o.name) for o in message.outputs}
+                index = int(message.id)
+                together.deltas.setdefault(index, []).extend(outputs.get("output_ids", np.zeros(0)).tolist())
+                if message.parameters["triton_final_response"].bool_param:
+                    together.finals[index] = outputs
+        finally:
+            client.stop_stream()
+
+    thread = threading.Thread(target=collect)
+    thread.start()
+    return thread, together
 
 
 def test_prompt_plus_max_tokens_may_fill_max_seq_len_and_not_one_more(server) -> None:
@@ -78,12 +110,11 @@ def test_text_input_may_fill_max_prompt_bytes_and_not_one_more(server) -> None:
 
 
 def test_queue_takes_max_queue_size_beyond_the_slots_and_refuses_the_next(server) -> None:
-    threads, results = run_together(server, [request(i, 100) for i in range(SLOTS + QUEUE + 1)])
-    for thread in threads:
-        thread.join(timeout=120)
-    refused = [r for r in results if r.error is not None]
-    assert len(refused) == 1 and "slots are busy" in refused[0].error, [r.error for r in refused]
-    assert all(len(r.tokens) == int(r.final["num_output_tokens"][0]) for r in results if r.error is None)
+    thread, together = send_together(server, [request(i, 100) for i in range(SLOTS + QUEUE + 1)])
+    thread.join(timeout=120)
+    assert len(together.errors) == 1 and "slots are busy" in together.errors[0], together.errors
+    assert len(together.finals) == SLOTS + QUEUE
+    assert all(len(together.deltas[i]) == int(final["num_output_tokens"][0]) for i, final in together.finals.items())
     assert wait_for_idle(server.metrics_url, SLOTS)["spec_decode_free_slots"] == SLOTS
 
 
@@ -133,16 +164,16 @@ def stub_pid(server, model: str) -> int:
 
 
 def test_killed_target_stub_fails_in_flight_streams_and_a_reload_restores_service(server) -> None:
-    threads, results = run_together(server, [request(i, 100) for i in range(3)], timeout=60)
+    thread, together = send_together(server, [request(i, 100) for i in range(3)])
     deadline = time.monotonic() + 60
     while slot_gauges(server.metrics_url)["spec_decode_live_sequences"] < 3:
         assert time.monotonic() < deadline
         time.sleep(0.02)
     os.kill(stub_pid(server, "target"), signal.SIGKILL)
-    for thread in threads:
-        thread.join(timeout=90)
-    assert not any(thread.is_alive() for thread in threads), "an in-flight request hung"
-    assert all(r.error and "target" in r.error and "not healthy" in r.error for r in results), [r.error for r in results]
+    thread.join(timeout=90)
+    assert not thread.is_alive(), "an in-flight request hung"
+    assert len(together.errors) == 3 and not together.finals, together.errors
+    assert all("target" in e and "not healthy" in e for e in together.errors), together.errors
     assert wait_for_idle(server.metrics_url, SLOTS)["spec_decode_free_slots"] == SLOTS
 
     client = grpcclient.InferenceServerClient(server.grpc_url)

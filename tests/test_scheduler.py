@@ -239,6 +239,34 @@ def test_the_metric_sink_gets_coalesced_updates_that_add_up_to_the_counters(mode
                            "spec_decode_live_sequences": 0}
 
 
+class GaugeAtFinal(Collect):
+    """Records the sink's gauges at the moment the final response is sent."""
+
+    def __init__(self, sink: RecordingSink) -> None:
+        super().__init__()
+        self.sink, self.gauges_at_final = sink, None
+
+    def send(self, response: GenerationResponse, final: bool) -> None:
+        super().send(response, final)
+        if final:
+            self.gauges_at_final = dict(self.sink.gauges)
+
+
+def test_a_finished_request_frees_its_slot_in_the_gauges_before_its_final_response(models):
+    from triton_mtp.serving.metrics import EngineMetrics
+
+    sink = RecordingSink()
+    engine = scheduler(models, metrics=EngineMetrics(6, sink))
+    short, long = GaugeAtFinal(sink), GaugeAtFinal(sink)
+    engine.submit(GenerationRequest(prompts(1, seed=12)[0], 3, stream=True), short)
+    engine.submit(GenerationRequest(prompts(1, seed=13)[0], 9, stream=True), long)
+    engine.run_until_idle()
+    assert short.gauges_at_final == {"spec_decode_free_slots": MAX_SLOTS - 1, "spec_decode_waiting_requests": 0,
+                                     "spec_decode_live_sequences": 1}
+    assert long.gauges_at_final == {"spec_decode_free_slots": MAX_SLOTS, "spec_decode_waiting_requests": 0,
+                                    "spec_decode_live_sequences": 0}
+
+
 def test_eos_stops_the_sequence_before_max_tokens(models):
     prompt = prompts(1, seed=6)[0]
     (free_run,) = run(scheduler(models), [GenerationRequest(prompt, 12, num_draft_tokens=2)])
