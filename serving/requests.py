@@ -14,6 +14,7 @@ from typing import Mapping, Protocol
 
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 
 class RequestError(ValueError):
@@ -28,9 +29,16 @@ class QueueFull(RuntimeError):
     """All slots are busy and the waiting queue is at its bound (-> UNAVAILABLE)."""
 
 
+class TextStream(Protocol):
+    """Incremental detokenization of one sequence: a few tokens of context per call, not the whole text."""
+
+    def step(self, token_id: int) -> str: ...  # the text this token completes ("" inside a character)
+
+
 class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
+    def decode_stream(self) -> TextStream: ...
 
 
 @dataclass(frozen=True)
@@ -293,3 +301,17 @@ class TokenizerFile:
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def decode_stream(self) -> TextStream:
+        return _TokenizerStream(self._tokenizer)
+
+
+class _TokenizerStream:
+    """tokenizers' DecodeStream bound to its tokenizer; its steps concatenate to `decode(ids)`."""
+
+    def __init__(self, tokenizer: HFTokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=True)
+
+    def step(self, token_id: int) -> str:
+        return self._stream.step(self._tokenizer, token_id) or ""

@@ -27,7 +27,7 @@ import torch
 
 from triton_mtp.serving.metrics import EngineMetrics
 from triton_mtp.serving.requests import (
-    EngineLimits, GenerationRequest, GenerationResponse, QueueFull, Tokenizer,
+    EngineLimits, GenerationRequest, GenerationResponse, QueueFull, TextStream, Tokenizer,
 )
 from triton_mtp.serving.slots import SlotPool
 from triton_mtp.serving.workers import DraftBatch, DraftResult, TargetBatch, TargetResult
@@ -72,6 +72,8 @@ class _Sequence:
     draft_top_probs: torch.Tensor | None = None  # [k, N] q on it
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    text_stream: TextStream | None = None  # detokenizes streams and stop-word requests token by token
+    text: str = ""  # the output's text so far, whole characters only (with a text stream)
     text_sent: str = ""
     stop_text: str | None = None  # output text cut before the stop word that ended it
     finish_reason: str = ""
@@ -259,7 +261,10 @@ class Scheduler:
                 handle.send(self._cancelled_response(request), final=True)
                 continue
             slot = self.slots.allocate()
+            text_stream = (self._tokenizer.decode_stream()
+                           if self._tokenizer is not None and (request.stream or request.stop_words) else None)
             self._live.append(_Sequence(request, handle, slot, waiting.deadline, list(request.input_ids),
+                                        text_stream=text_stream,
                                         accepted_per_position=[0] * request.num_draft_tokens))
 
     # ---- the two hops --------------------------------------------------------------------------
@@ -368,29 +373,38 @@ class Scheduler:
             s.logprobs.append(logprob)
             step_ids.append(token)
             step_logprobs.append(logprob)
-            if s.request.stop_words and self._cut_at_stop_word(s):
-                s.finish_reason = "stop"
-                break
+            if s.text_stream is not None:
+                searched = len(s.text)
+                s.text += s.text_stream.step(token)
+                if s.request.stop_words and self._cut_at_stop_word(s, searched):
+                    s.finish_reason = "stop"
+                    break
             if len(s.output_ids) == s.request.max_tokens:
                 s.finish_reason = "length"
                 break
         return step_ids, step_logprobs
 
     # ---- responses -----------------------------------------------------------------------------
-    def _cut_at_stop_word(self, s: _Sequence) -> bool:
-        text = self._tokenizer.decode(s.output_ids)
-        hits = [i for i in (text.find(w) for w in s.request.stop_words) if i >= 0]
+    @staticmethod
+    def _cut_at_stop_word(s: _Sequence, searched: int) -> bool:
+        """Whether a stop word ends in the text past `searched` characters (none starts before it)."""
+        start = max(0, searched - max(len(w) for w in s.request.stop_words) + 1)
+        hits = [i for i in (s.text.find(w, start) for w in s.request.stop_words) if i >= 0]
         if hits:
-            s.stop_text = text[: min(hits)]
+            s.stop_text = s.text[: min(hits)]
         return bool(hits)
 
     def _text(self, s: _Sequence, final: bool) -> str:
-        """Text not sent yet; while streaming, hold back an incomplete character or stop-word prefix."""
+        """Text not sent yet; while streaming, hold back a stop-word prefix (the text stream holds back an
+        incomplete character). The final response decodes the whole output once, incomplete bytes and all."""
         if self._tokenizer is None:
             return ""
-        text = s.stop_text if s.stop_text is not None else self._tokenizer.decode(s.output_ids)
-        if not final:
-            text = text.rstrip("\ufffd")
+        if s.stop_text is not None:
+            text = s.stop_text
+        elif final:
+            text = self._tokenizer.decode(s.output_ids)
+        else:
+            text = s.text
             for word in s.request.stop_words:
                 for n in range(min(len(word) - 1, len(text)), 0, -1):
                     if text.endswith(word[:n]):

@@ -189,3 +189,13 @@ def test_capture_check_reports_each_model_of_a_repository(tmp_path, hops):
     for model in ("target", "mtp"):
         assert found[model]["eager_ms"] > 0 and found[model]["host_sync"] is None
         assert not found[model]["captured"] and "CUDA" in found[model]["error"], found[model]
+
+
+def test_detokenize_bench_compares_both_paths_on_held_out_outputs(tmp_path):
+    out = tmp_path / "detokenize.json"
+    done = run_module("bench.detokenize", "--lengths", "64", "--tokens-per-step", "3", "--sequences", "1",
+                      "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["output_tokens"] == 64 and row["steps"] == 22
+    assert row["whole_decode_ms"] > 0 and row["text_stream_ms"] > 0

@@ -12,8 +12,8 @@ import torch
 
 from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.serving.requests import (
-    EngineLimits, GenerationRequest, GenerationResponse, QueueFull, RequestError, default_limits, engine_limits,
-    parse_request,
+    EngineLimits, GenerationRequest, GenerationResponse, QueueFull, RequestError, TokenizerFile, default_limits,
+    engine_limits, parse_request,
 )
 from triton_mtp.serving.scheduler import Scheduler
 from triton_mtp.serving.workers import DraftWorker, InProcessHops, TargetWorker, verify_window
@@ -445,6 +445,50 @@ class Words:
 
     def decode(self, ids: list[int]) -> str:
         return " ".join("x" * (i - 2) for i in ids)
+
+
+BUNDLED_TOKENIZER = Path(__file__).parent.parent / "models" / "tiny-dsv3-mtp" / "tokenizer.json"
+
+
+class CountingDecodes(TokenizerFile):
+    """The bundled byte-level BPE tokenizer, counting whole-output decodes (ids below VOCAB are single
+    bytes, some of them halves of UTF-8 characters)."""
+
+    decodes = 0
+
+    def decode(self, ids: list[int]) -> str:
+        self.decodes += 1
+        return super().decode(ids)
+
+
+def test_streamed_text_is_detokenized_incrementally_and_adds_up_to_the_decoded_output(models):
+    tokenizer = CountingDecodes(BUNDLED_TOKENIZER)
+    engine = Scheduler(scheduler(models)._hops, limits(), tokenizer=tokenizer)
+    batch = [GenerationRequest(p, 40, temperature=1.0, seed=seed, num_draft_tokens=seed % 3, stream=True)
+             for seed, p in enumerate(prompts(6, seed=14))]
+    handles = run(engine, batch)
+    assert tokenizer.decodes == len(batch), "one whole-output decode per request, for its final response"
+    texts = [tokenizer.decode([t for r, _ in h.responses for t in r.output_ids]) for h in handles]
+    assert any("\ufffd" in t for t in texts), "no incomplete UTF-8 character: the hold-back is not exercised"
+    for handle, text in zip(handles, texts):
+        assert "".join(r.text_output for r, _ in handle.responses) == text
+        assert all("\ufffd" not in r.text_output[-1:] for r, final in handle.responses if not final)
+
+
+def test_a_stop_word_ends_the_output_at_the_first_token_whose_text_contains_it(models):
+    tokenizer = TokenizerFile(BUNDLED_TOKENIZER)
+    engine = Scheduler(scheduler(models)._hops, limits(), tokenizer=tokenizer)
+    prompt = prompts(1, seed=15)[0]
+    (free,) = run(engine, [GenerationRequest(prompt, 40)])
+    ids = free.final.output_ids
+    text = tokenizer.decode(ids)
+    word = next(text[i: i + 3] for i in range(len(text) // 2, len(text)) if "\ufffd" not in text[i: i + 3])
+    n = next(n for n in range(1, len(ids) + 1) if word in tokenizer.decode(ids[:n]))
+    for stream in (False, True):
+        (stopped,) = run(engine, [GenerationRequest(prompt, 40, stop_words=["\x00never", word], stream=stream)])
+        assert stopped.final.finish_reason == "stop"
+        assert "".join(r.text_output for r, _ in stopped.responses) == tokenizer.decode(ids[:n]).split(word)[0]
+        assert [t for r, _ in stopped.responses for t in r.output_ids] == ids[:n]
 
 
 def test_request_limits_admit_their_edge_and_refuse_one_more():
