@@ -33,7 +33,8 @@
 # runs a .pth file in this interpreter's site-packages puts numpy 1.26 and the shim first on its path.
 #
 # BENCH_SKIP="STAGE ...": leave those stages out (their results then come from an earlier run);
-# BENCH_ONLY="STAGE ...": run only those. BENCH_RESPONSE_THREADS=N exports with --response-threads N.
+# BENCH_ONLY="STAGE ...": run only those. BENCH_RESPONSE_THREADS=N exports with --response-threads N,
+# BENCH_STREAM_INTERVAL=N with --stream-interval N.
 # BENCH_SMOKE=1: tiny sizes on CPU (fp32, eager, 2 prompts of 16 tokens, k=1,2, streams 1,2; a synthetic
 # checkpoint when none is given) so the whole script is known to run. BENCH_REPOSITORY=<dir> serves an
 # existing repository instead of exporting. BENCH_FORMAT picks the export format.
@@ -117,6 +118,7 @@ format_args=()
 [ "$format" = eager ] && format_args=(--no-compile)  # graphs of uncompiled steps ...
 [ "$format" = eager ] && [ "${BENCH_COMPILE:-0}" = 1 ] && format_args+=(--compile-graphs)  # ... or of compiled ones
 [ -n "${BENCH_RESPONSE_THREADS:-}" ] && format_args+=(--response-threads "$BENCH_RESPONSE_THREADS")
+[ -n "${BENCH_STREAM_INTERVAL:-}" ] && format_args+=(--stream-interval "$BENCH_STREAM_INTERVAL")
 max_draft=${drafts##*,}
 max_seq_len=$((prompt_tokens + max_tokens + max_draft + 1))
 common=(--checkpoint "$checkpoint" --prompts "$prompts" --prompt-tokens "$prompt_tokens" --max-tokens "$max_tokens")

@@ -26,6 +26,7 @@ set -- --checkpoint "$CHECKPOINT_DIR" --repository "$MODEL_REPOSITORY"
 [ "${CUDA_GRAPHS:-true}" = false ] && set -- "$@" --no-cuda-graphs
 [ "${COMPILE_GRAPHS:-false}" = true ] && set -- "$@" --compile-graphs
 [ -n "${RESPONSE_THREADS:-}" ] && set -- "$@" --response-threads "$RESPONSE_THREADS"
+[ -n "${STREAM_INTERVAL:-}" ] && set -- "$@" --stream-interval "$STREAM_INTERVAL"
 
 mkdir -p "$MODEL_REPOSITORY"
 find "$MODEL_REPOSITORY" -mindepth 1 -maxdepth 1 -exec rm -rf {} +  # no stale model from an earlier export

@@ -54,6 +54,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--response-threads", type=_at_least(0), default=0, metavar="N",
                         help="spec_decode sends streamed responses from N threads while the next step runs; "
                         "0 sends them from the engine's step (default: 0)")
+    parser.add_argument("--stream-interval", type=_at_least(1), default=1, metavar="N",
+                        help="a streamed request gets a response once N of its tokens are unsent (its first at "
+                        "once): fewer responses, each a round trip to the server, under load (default: 1, every step)")
     parser.add_argument("--tensor-parallel", type=_at_least(1), default=1, metavar="N",
                         help="eager format: shard the target and MTP over N ranks, one per GPU (default: 1)")
     parser.add_argument("--hops", choices=HOPS, default="bls",
@@ -72,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
                             "max_output_tokens": args.max_output_tokens, "request_timeout_s": args.request_timeout},
             eager_compile=not args.no_compile, cuda_graphs=not args.no_cuda_graphs, compile_graphs=args.compile_graphs,
             response_threads=args.response_threads,
+            stream_interval=args.stream_interval,
             tensor_parallel=args.tensor_parallel,
             hops=args.hops,
         )

@@ -59,6 +59,7 @@ def write_repository(
     cuda_graphs: bool = True,
     compile_graphs: bool = False,
     response_threads: int = 0,
+    stream_interval: int = 1,
     tensor_parallel: int = 1,
     hops: str = "bls",
     progress: bool = True,
@@ -72,7 +73,8 @@ def write_repository(
     tokens, max_tokens cap, request timeout). `cuda_graphs` lets the `target` and `mtp` models on CUDA
     replay decode-time calls from captured graphs (serving/graphs.py), captured over torch.compile'd steps
     with `compile_graphs`. `response_threads` > 0 makes `spec_decode` send streamed responses from that
-    many threads (serving/responses.py). `tensor_parallel` > 1 (eager format) makes the `target`
+    many threads (serving/responses.py); `stream_interval` is the scheduler's (serving/scheduler.py).
+    `tensor_parallel` > 1 (eager format) makes the `target`
     and `mtp` models shard over that many ranks at load (serving/parallel.py). Existing `target`,
     `mtp`, `spec_decode` folders in `repo_dir` are replaced. `hops` "local" makes `spec_decode` run the
     target and MTP workers in its own process instead of calling the `target` and `mtp` models (no BLS
@@ -139,6 +141,7 @@ def write_repository(
         "cuda_graphs": "true" if cuda_graphs else "false",
         "compile_graphs": "true" if compile_graphs else "false",
         "response_threads": response_threads,
+        "stream_interval": stream_interval,
         **_request_limits(max_seq_len, request_limits or {}),
     }
     values["spec_decode_kind"] = values["kind"] if hops == "local" else "KIND_CPU"  # a BLS engine holds no weights

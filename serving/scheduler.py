@@ -72,6 +72,7 @@ class _Sequence:
     draft_top_probs: torch.Tensor | None = None  # [k, N] q on it
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    num_sent: int = 0  # output tokens already sent in a response
     text_stream: TextStream | None = None  # detokenizes streams and stop-word requests token by token
     text: str = ""  # the output's text so far, whole characters only (with a text stream)
     text_sent: str = ""
@@ -111,17 +112,24 @@ class Scheduler:
 
     def __init__(self, hops: Hops, limits: EngineLimits, metrics: EngineMetrics | None = None,
                  tokenizer: Tokenizer | None = None, clock: Callable[[], float] = time.monotonic,
-                 cancel_check_interval_s: float = 0.0, drain_responses: Callable[[], None] | None = None) -> None:
+                 cancel_check_interval_s: float = 0.0, drain_responses: Callable[[], None] | None = None,
+                 stream_interval: int = 1) -> None:
         """`cancel_check_interval_s`: how often live requests are asked whether they were cancelled (0:
         every step); in Triton each question is a round trip to the server. `drain_responses`: when the
         handles queue their sends (serving/responses.py), waits for the previous step's to go out; it is
-        called after a step's hops, before the step hands over its own."""
+        called after a step's hops, before the step hands over its own. `stream_interval`: a streamed
+        request gets a response once this many of its tokens are unsent (1: every step); its first
+        tokens go at once and the rest with the final response. Like SGLang's and vLLM's
+        `--stream-interval`, it trades inter-token smoothness for fewer responses, each a round trip."""
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval: must be >= 1, got {stream_interval}")
         self._hops = hops
         self._limits = limits
         self._tokenizer = tokenizer
         self._clock = clock
         self._cancel_check_interval_s = cancel_check_interval_s
         self._drain_responses = drain_responses
+        self._stream_interval = stream_interval
         self._cancel_checked_at = -float("inf")
         self.metrics = metrics or EngineMetrics(limits.max_draft_tokens)
         self.slots = SlotPool(limits.max_slots)
@@ -227,7 +235,7 @@ class Scheduler:
         for s in list(self._live):
             if s.handle.is_cancelled():
                 s.finish_reason = "cancelled"
-                self._finish(s, [], [])
+                self._finish(s)
 
     def _drop_expired(self) -> None:
         """Fail every request, waiting or live, past its `request_timeout_s` (its slot is freed)."""
@@ -354,16 +362,15 @@ class Scheduler:
             s.absorb_start = 0
             s.prefilled = True
         s.drafts, s.draft_top_ids, s.draft_top_probs = [], None, None
-        step_ids, step_logprobs = self._emit(s, new_ids, new_logprobs)
-        self.metrics.emitted(len(step_ids))
+        self.metrics.emitted(self._emit(s, new_ids, new_logprobs))
         if s.finish_reason:
-            self._finish(s, step_ids, step_logprobs)
-        elif s.request.stream:
-            self._timed("respond", s.handle.send, self._response(s, step_ids, step_logprobs), False)
+            self._finish(s)
+        elif s.request.stream and (s.num_sent == 0 or len(s.output_ids) - s.num_sent >= self._stream_interval):
+            self._timed("respond", s.handle.send, self._response(s), False)
 
-    def _emit(self, s: _Sequence, new_ids: list[int], new_logprobs: list[float]) -> tuple[list[int], list[float]]:
-        """Append tokens until EOS, a stop word or max_tokens; returns the ones appended."""
-        step_ids, step_logprobs = [], []
+    def _emit(self, s: _Sequence, new_ids: list[int], new_logprobs: list[float]) -> int:
+        """Append tokens until EOS, a stop word or max_tokens; returns how many were appended."""
+        emitted = 0
         for token, logprob in zip(new_ids, new_logprobs):
             if token == self._limits.eos_token_id:
                 s.finish_reason = "stop"
@@ -371,8 +378,7 @@ class Scheduler:
             s.tokens.append(token)
             s.output_ids.append(token)
             s.logprobs.append(logprob)
-            step_ids.append(token)
-            step_logprobs.append(logprob)
+            emitted += 1
             if s.text_stream is not None:
                 searched = len(s.text)
                 s.text += s.text_stream.step(token)
@@ -382,7 +388,7 @@ class Scheduler:
             if len(s.output_ids) == s.request.max_tokens:
                 s.finish_reason = "length"
                 break
-        return step_ids, step_logprobs
+        return emitted
 
     # ---- responses -----------------------------------------------------------------------------
     @staticmethod
@@ -415,7 +421,10 @@ class Scheduler:
         delta, s.text_sent = text[len(s.text_sent):], text
         return delta
 
-    def _response(self, s: _Sequence, ids: list[int], logprobs: list[float], final: bool = False) -> GenerationResponse:
+    def _response(self, s: _Sequence, final: bool = False) -> GenerationResponse:
+        """The tokens not sent yet (with a non-streamed request: the whole output, at the end)."""
+        ids, logprobs = s.output_ids[s.num_sent:], s.logprobs[s.num_sent:]
+        s.num_sent = len(s.output_ids)
         return GenerationResponse(
             text_output=self._text(s, final),
             output_ids=ids,
@@ -432,12 +441,10 @@ class Scheduler:
         return GenerationResponse("", [], [] if request.return_logprobs else None, "cancelled",
                                   len(request.input_ids), 0, 0, 0, [0] * request.num_draft_tokens)
 
-    def _finish(self, s: _Sequence, step_ids: list[int], step_logprobs: list[float]) -> None:
+    def _finish(self, s: _Sequence) -> None:
         self._release(s)
         self.metrics.finish(s.finish_reason)
-        if not s.request.stream:
-            step_ids, step_logprobs = s.output_ids, s.logprobs
-        response = self._response(s, step_ids, step_logprobs, final=True)
+        response = self._response(s, final=True)
         try:
             self._timed("respond", s.handle.send, response, True)
         except Exception:  # noqa: BLE001 - the client is gone; nothing is left to tell it

@@ -214,12 +214,13 @@ def test_export_script_turns_variables_into_export_flags(tmp_path: Path) -> None
     (tmp_path / "bin" / "triton-mtp").chmod(0o755)
     env = {"PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", "CHECKPOINT_DIR": str(tmp_path / "checkpoint"),
            "MODEL_REPOSITORY": str(tmp_path / "repository"), "HOPS": "local", "MAX_SLOTS": "16", "EXPORT_FORMAT": "",
-           "COMPILE_GRAPHS": "true", "RESPONSE_THREADS": "4"}
+           "COMPILE_GRAPHS": "true", "RESPONSE_THREADS": "4",
+           "STREAM_INTERVAL": "3"}
     done = run_script("export-repository.sh", env)
     assert done.returncode == 0, done.stderr
     args = done.stdout.split()
     assert args[:1] == ["export"] and "--format" not in args and "--compile-graphs" in args
-    assert args[args.index("--response-threads") + 1] == "4"
+    assert args[args.index("--response-threads") + 1] == "4" and args[args.index("--stream-interval") + 1] == "3"
     assert args[args.index("--hops") + 1] == "local" and args[args.index("--max-slots") + 1] == "16"
 
 

@@ -14,18 +14,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from triton_mtp.client import Client, InvalidArgumentError
+from triton_mtp.client import Client, Delta, InvalidArgumentError
 from triton_mtp.export.repository import write_repository
 
 VOCAB = 128
+STREAM_INTERVAL = 3
 
 
 @pytest.fixture(scope="module")
 def local_repository(drafting_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     repo = tmp_path_factory.mktemp("local_hops_repository")
     write_repository(drafting_checkpoint, repo, max_slots=4, max_draft_tokens=4, hops="local", response_threads=2,
-                     progress=False, log=lambda line: None)  # every test here also sends from response threads
-    return repo
+                     stream_interval=STREAM_INTERVAL, progress=False, log=lambda line: None)
+    return repo  # every test here also sends from response threads, a response per STREAM_INTERVAL tokens
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,7 @@ def test_the_repository_holds_spec_decode_alone_with_the_artifacts_inside(local_
     config = (local_repository / "spec_decode" / "config.pbtxt").read_text()
     assert re.search(r'key: "hops", value: \{ string_value: "local" \}', config)
     assert re.search(r'key: "response_threads", value: \{ string_value: "2" \}', config)
+    assert re.search(r'key: "stream_interval", value: \{ string_value: "3" \}', config)
     assert "kind: KIND_CPU" in config
     manifest = json.loads((local_repository / "export.json").read_text())
     assert manifest["hops"] == "local"
@@ -84,6 +86,17 @@ def test_concurrent_streams_equal_the_same_requests_one_by_one(local):
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         together = list(pool.map(lambda r: local.generate(**r).ids, requests))
     assert together == alone
+
+
+def test_streams_send_a_response_per_stream_interval_tokens_with_the_bls_engines_tokens(local, bls):
+    for k, prompt in enumerate(prompts(3, seed=30)):
+        request = dict(input_ids=prompt, max_tokens=17, num_draft_tokens=k, return_logprobs=True)
+        ours = [item for item in local.stream(**request) if isinstance(item, Delta)]
+        theirs = [item for item in bls.stream(**request) if isinstance(item, Delta)]
+        assert [t for d in ours for t in d.ids] == [t for d in theirs for t in d.ids], f"k={k}"
+        assert [p for d in ours for p in d.logprobs] == pytest.approx([p for d in theirs for p in d.logprobs], abs=1e-5)
+        assert len(ours) < len(theirs) and len(ours[0].ids) == len(theirs[0].ids)
+        assert all(len(d.ids) >= STREAM_INTERVAL for d in ours[1:-1]), [len(d.ids) for d in ours]
 
 
 def test_bad_input_is_invalid_arg_and_the_engine_keeps_serving(local):

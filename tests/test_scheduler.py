@@ -64,12 +64,13 @@ def limits(**overrides) -> EngineLimits:
     return EngineLimits(**{**values, **overrides})
 
 
-def scheduler(models, clock=None, metrics=None, cancel_check_interval_s=0.0, drain_responses=None,
+def scheduler(models, clock=None, metrics=None, cancel_check_interval_s=0.0, drain_responses=None, stream_interval=1,
               **overrides) -> Scheduler:
     target, mtp = models
     hops = InProcessHops(TargetWorker(verify_window(target), MAX_SLOTS), DraftWorker(mtp, NUM_MTP_LAYERS, MAX_SLOTS))
     return Scheduler(hops, limits(**overrides), metrics, **({"clock": clock} if clock else {}),
-                     cancel_check_interval_s=cancel_check_interval_s, drain_responses=drain_responses)
+                     cancel_check_interval_s=cancel_check_interval_s, drain_responses=drain_responses,
+                     stream_interval=stream_interval)
 
 
 def prompts(count: int, seed: int = 0) -> list[list[int]]:
@@ -185,6 +186,21 @@ def test_streaming_sends_each_step_then_a_final_response_with_totals(models):
     assert streamed.final.finish_reason == "length"
     assert streamed.final.num_output_tokens == 15
     assert streamed.final.total_draft_tokens == whole.final.total_draft_tokens
+
+
+def test_stream_interval_sends_the_first_tokens_at_once_then_every_n_tokens_and_the_same_tokens(models):
+    batch = [GenerationRequest(p, 23, num_draft_tokens=k, stream=True) for k, p in enumerate(prompts(3, seed=16))]
+    every_step = run(scheduler(models), batch)
+    chunked = run(scheduler(models, stream_interval=5), batch)
+    for one, five in zip(every_step, chunked):
+        sizes = [len(r.output_ids) for r, _ in five.responses]
+        assert [t for r, _ in five.responses for t in r.output_ids] == [t for r, _ in one.responses for t in r.output_ids]
+        assert len(five.responses) < len(one.responses)
+        assert sizes[0] == len(one.responses[0][0].output_ids), "the first response waits for no interval"
+        assert all(size >= 5 for size in sizes[1:-1]) and sizes[-1] >= 1
+        assert five.final.num_output_tokens == 23 and five.final.finish_reason == "length"
+    with pytest.raises(ValueError, match="stream_interval"):
+        scheduler(models, stream_interval=0)
 
 
 class RecordingSink:

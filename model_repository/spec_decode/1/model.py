@@ -20,7 +20,9 @@ class TritonPythonModel:
         self.responses = ResponseThreads(threads) if threads else None  # else sent from the engine's step
         self.scheduler = Scheduler(hops, self.limits, metrics, self.tokenizer,
                                    cancel_check_interval_s=triton_io.CANCEL_CHECK_INTERVAL_S,
-                                   drain_responses=self.responses.drain if self.responses else None)
+                                   drain_responses=self.responses.drain if self.responses else None,
+                                   stream_interval=int_parameter(params, "stream_interval", 1)
+                                   if "stream_interval" in params else 1)
         self.scheduler.start()
 
     def execute(self, requests):
