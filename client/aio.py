@@ -110,7 +110,8 @@ class AsyncClient:
         return_logprobs: bool = False,
         timeout: float | None = None,
     ) -> AsyncIterator[Delta | Completion]:
-        """Yield a `Delta` per decoding step as the server sends it, then the `Completion`."""
+        """Yield a `Delta` per streamed response (a decoding step, or `stream_interval` tokens) as the server
+        sends it, then the `Completion`."""
         request = GenerateRequest(
             prompt=prompt, input_ids=input_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
             top_k=top_k, seed=seed, num_draft_tokens=num_draft_tokens, stop=stop, return_logprobs=return_logprobs,

@@ -96,7 +96,8 @@ class Client:
         return_logprobs: bool = False,
         timeout: float | None = None,
     ) -> Iterator[Delta | Completion]:
-        """Yield a `Delta` per decoding step as it arrives, then the `Completion`."""
+        """Yield a `Delta` per streamed response (a decoding step, or `stream_interval` tokens) as it arrives,
+        then the `Completion`."""
         options = dict(locals())
         del options["self"]
         stream = self.aio.stream(**options)
