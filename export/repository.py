@@ -15,6 +15,7 @@ against eager before anything is rendered; a failing one leaves no model behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import string
@@ -27,11 +28,13 @@ import torch
 from tqdm import tqdm
 
 import triton_mtp.model_repository
+from triton_mtp.export import compile_cache
 from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.export.config import ModelConfig
 from triton_mtp.export.formats import HOPS
 from triton_mtp.export.graphs import DTYPES, FORMATS, check_parity, export_graphs
 from triton_mtp.export.parallel import check_tensor_parallel
+from triton_mtp.serving.graphs import compile_at_load
 from triton_mtp.serving.requests import default_limits
 
 TEMPLATES = Path(triton_mtp.model_repository.__file__).parent
@@ -116,7 +119,10 @@ def write_repository(
                 checkpoint_dir=checkpoint_dir, dtype=dtype, eager_compile=eager_compile,
                 on_saved=lambda name: bar.update(1),
             )
-        parity = check_parity(target, mtp, artifacts, fmt, verify_tokens=max_draft_tokens + 1, log=log)
+        compiles = _compiles_at_load(fmt, device, cuda_graphs, compile_graphs, eager_compile, tensor_parallel)
+        with compile_cache.filling(list(artifact_dirs)) if compiles else contextlib.nullcontext():
+            parity = check_parity(target, mtp, artifacts, fmt, verify_tokens=max_draft_tokens + 1, log=log,
+                                  compile=compiles if fmt == "eager" else None)
     except BaseException:
         for name in MODELS:
             shutil.rmtree(repo / name, ignore_errors=True)
@@ -206,6 +212,18 @@ def _request_limits(max_seq_len: int, overrides: dict[str, int | float]) -> dict
         if limits[name] >= max_seq_len:
             raise ValueError(f"{name}: {limits[name]} leaves no room in max_seq_len {max_seq_len}")
     return limits
+
+
+def _compiles_at_load(fmt: str, device: str, cuda_graphs: bool, compile_graphs: bool, eager_compile: bool,
+                      tensor_parallel: int) -> bool:
+    """Whether the served `target` / `mtp` models compile their steps at load (eager format, one rank).
+    Then the parity check compiles the same steps, and their cache ships with the artifacts."""
+    if fmt != "eager" or tensor_parallel > 1:
+        return False
+    params = {"format": fmt, "cuda_graphs": "true" if cuda_graphs else "false",
+              "compile_graphs": "true" if compile_graphs else "false"}
+    choice = compile_at_load(params, torch.device(device), tensor_parallel)
+    return eager_compile if choice is None else choice
 
 
 def _eos_token_id(config: ModelConfig) -> int:

@@ -355,6 +355,13 @@ def compile_graphs(params: dict[str, str]) -> bool:
     return _flag(params, "compile_graphs")
 
 
+def compile_at_load(params: dict[str, str], device: torch.device, world_size: int) -> bool | None:
+    """The `compile` a `target` / `mtp` model loads its steps with: `compile_graphs` when it captures
+    decode graphs (graphed, the decode calls launch nothing from Python: compiling pays only for fused
+    kernels, on request), else None: the choice the export recorded."""
+    return compile_graphs(params) if graphs_wanted(params, device, world_size) else None
+
+
 def graphs_wanted(params: dict[str, str], device: torch.device, world_size: int) -> bool:
     """Whether a `target` / `mtp` model captures decode graphs: config parameter `cuda_graphs` true (the
     export writes it; a repository from before it has none and runs eager) on a CUDA device, the eager

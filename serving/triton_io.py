@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import locale
 from pathlib import Path
 from typing import Callable
 
@@ -12,6 +13,7 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
+from triton_mtp.export import compile_cache
 from triton_mtp.export.formats import DTYPES, FORMATS, HOPS
 from triton_mtp.serving import graphs, parallel
 from triton_mtp.serving.metrics import COUNTERS, GAUGES
@@ -172,6 +174,14 @@ def log(message: str) -> None:
     pb_utils.Logger.log_info(message)
 
 
+def utf8_files() -> None:
+    """Make open() read UTF-8. The Python backend's stub embeds the interpreter without setting its
+    locale (nor UTF-8 mode, whatever PYTHONUTF8 says), so files open as ASCII, and torch.compile's
+    inductor fails on import reading its UTF-8 templates."""
+    if locale.getpreferredencoding(False).lower().replace("-", "") != "utf8":
+        locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
+
+
 def load_model_step(directory: Path, params: dict[str, str], device: torch.device,
                     graphed: Callable[[Callable], graphs.Step],
                     eager: Callable[[Callable], graphs.Step] = lambda runner: runner) -> tuple[Callable, Callable]:
@@ -180,9 +190,11 @@ def load_model_step(directory: Path, params: dict[str, str], device: torch.devic
     captures decode graphs, else (or if that fails, with a log line) `eager(runner)`."""
     world_size = parallel.tensor_parallel_size(params, device)
     wanted = graphs.graphs_wanted(params, device, world_size)
-    # graphed, the decode calls launch nothing from Python: compiling pays only for fused kernels, on request
+    utf8_files()
+    if compile_cache.merge_into_process_cache(directory):
+        log(f"{directory}: merged the export's torch.compile cache into this process's")
     runner = parallel.load_parallel_step(directory, params["format"], device, world_size,
-                                         compile=graphs.compile_graphs(params) if wanted else None)
+                                         compile=graphs.compile_at_load(params, device, world_size))
     if not wanted:
         return runner, eager(runner)
     return runner, graphs.with_decode_graphs(lambda: graphed(runner), eager(runner), log)

@@ -27,13 +27,15 @@ SERVER_READY_TIMEOUT_S = 300.0
 
 
 @pytest.fixture(scope="session")
-def triton_server_for() -> Iterator[Callable[..., TritonServer]]:
+def triton_server_for(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., TritonServer]]:
     servers: dict[Path, TritonServer] = {}
+    logs = tmp_path_factory.mktemp("server_logs")
 
     def start(repository: str | os.PathLike, **kwargs: object) -> TritonServer:
         key = Path(repository).resolve()
         if key not in servers:
             grpc_port, http_port, metrics_port = free_ports(3)
+            kwargs.setdefault("log_path", logs / f"{len(servers)}-{key.parent.name}-{key.name}.log")
             server = TritonServer(key, grpc_port=grpc_port, http_port=http_port, metrics_port=metrics_port, **kwargs)
             server.start()
             try:
