@@ -8,6 +8,9 @@
 #   engine      (on a GPU, only when BENCH_ONLY names it) bench/engine_overhead.py, the engine in process
 #               with its decode graphs, 1 and 32 prompts, k = 0 and 3, model steps compiled and not:
 #               $OUT/engine/
+#   load_time   (on a GPU, only when BENCH_ONLY names it) bench/load_time.py: seconds to a ready server whose
+#               graphs capture compiled steps (--compile-graphs, local hops), with and without the compile
+#               cache the export ships: $OUT/load_time.json
 #   export      triton-mtp export of the checkpoint into a model repository (BENCH_FORMAT; on a GPU eager,
 #               whose decode calls the served models replay from CUDA graphs: --no-compile, or with
 #               BENCH_COMPILE=1 also --compile-graphs; on CPU torchscript)
@@ -165,6 +168,13 @@ if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" engine "* ]]; then  # on
                 --max-tokens "$max_tokens" --draft-tokens 0,3 --out "$OUT/engine/graphs${compiled:+_compiled}_b$b.json"
         done
     done
+fi
+if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" load_time "* ]]; then  # on request: minutes of compiling
+    stub_path_on
+    stage load_time "${BENCH_LOAD_TIME_S:-500}" python -m bench.load_time --checkpoint "$checkpoint" --device cuda \
+        --dtype "$dtype" --compile-graphs --repeats 1 --max-slots 64 --max-seq-len "$max_seq_len" \
+        --out "$OUT/load_time.json"
+    stub_path_off
 fi
 repository=${BENCH_REPOSITORY:-$work/repository}
 export_cmd=(python -m triton_mtp.cli export --checkpoint "$checkpoint" --format "$format" "${format_args[@]}"

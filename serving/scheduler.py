@@ -460,7 +460,8 @@ class Scheduler:
             pass
 
     def _release(self, s: _Sequence) -> None:
-        """Free the slot and publish it before the final response, so a client that reads the gauges after it sees them."""
+        """Free the slot and publish the gauges before the final response: a client reading them after it
+        sees the slot free."""
         self._live.remove(s)
         self.slots.release(s.slot)
         self.metrics.occupancy(len(self._live), self.slots.num_free, len(self._waiting))

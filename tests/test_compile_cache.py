@@ -49,7 +49,8 @@ from triton_mtp.export.graphs import load_step
 directory = Path(sys.argv[1])
 merged = compile_cache.merge_into_process_cache(directory)
 load_step(directory / "target.json", "eager", "cpu", compile=True)  # binds the pool: the warm-up compiles
-print(json.dumps({"merged": merged, **{k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}}))
+cache = {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
+print(json.dumps({"merged": merged, **cache}))
 """
 
 

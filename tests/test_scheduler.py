@@ -194,7 +194,8 @@ def test_stream_interval_sends_the_first_tokens_at_once_then_every_n_tokens_and_
     chunked = run(scheduler(models, stream_interval=5), batch)
     for one, five in zip(every_step, chunked):
         sizes = [len(r.output_ids) for r, _ in five.responses]
-        assert [t for r, _ in five.responses for t in r.output_ids] == [t for r, _ in one.responses for t in r.output_ids]
+        tokens = lambda handle: [t for r, _ in handle.responses for t in r.output_ids]  # noqa: E731
+        assert tokens(five) == tokens(one)
         assert len(five.responses) < len(one.responses)
         assert sizes[0] == len(one.responses[0][0].output_ids), "the first response waits for no interval"
         assert all(size >= 5 for size in sizes[1:-1]) and sizes[-1] >= 1
