@@ -225,8 +225,11 @@ def parse_request(
     return request
 
 
-def int_parameter(params: Mapping[str, str], key: str, minimum: int) -> int:
-    """An integer config.pbtxt parameter, checked at load time (ValueError names the key)."""
+def int_parameter(params: Mapping[str, str], key: str, minimum: int, default: int | None = None) -> int:
+    """An integer config.pbtxt parameter, checked at load time (ValueError names the key); `default`
+    stands in for a parameter a repository from before it does not have."""
+    if default is not None and key not in params:
+        return default
     return _number_parameter(params, key, minimum, int, "an integer")
 
 

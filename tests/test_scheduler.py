@@ -65,10 +65,10 @@ def limits(**overrides) -> EngineLimits:
 
 
 def scheduler(models, clock=None, metrics=None, cancel_check_interval_s=0.0, drain_responses=None, stream_interval=1,
-              **overrides) -> Scheduler:
+              tokenizer=None, **overrides) -> Scheduler:
     target, mtp = models
     hops = InProcessHops(TargetWorker(verify_window(target), MAX_SLOTS), DraftWorker(mtp, NUM_MTP_LAYERS, MAX_SLOTS))
-    return Scheduler(hops, limits(**overrides), metrics, **({"clock": clock} if clock else {}),
+    return Scheduler(hops, limits(**overrides), metrics, tokenizer, **({"clock": clock} if clock else {}),
                      cancel_check_interval_s=cancel_check_interval_s, drain_responses=drain_responses,
                      stream_interval=stream_interval)
 
@@ -480,7 +480,7 @@ class CountingDecodes(TokenizerFile):
 
 def test_streamed_text_is_detokenized_incrementally_and_adds_up_to_the_decoded_output(models):
     tokenizer = CountingDecodes(BUNDLED_TOKENIZER)
-    engine = Scheduler(scheduler(models)._hops, limits(), tokenizer=tokenizer)
+    engine = scheduler(models, tokenizer=tokenizer)
     batch = [GenerationRequest(p, 40, temperature=1.0, seed=seed, num_draft_tokens=seed % 3, stream=True)
              for seed, p in enumerate(prompts(6, seed=14))]
     handles = run(engine, batch)
@@ -494,7 +494,7 @@ def test_streamed_text_is_detokenized_incrementally_and_adds_up_to_the_decoded_o
 
 def test_a_stop_word_ends_the_output_at_the_first_token_whose_text_contains_it(models):
     tokenizer = TokenizerFile(BUNDLED_TOKENIZER)
-    engine = Scheduler(scheduler(models)._hops, limits(), tokenizer=tokenizer)
+    engine = scheduler(models, tokenizer=tokenizer)
     prompt = prompts(1, seed=15)[0]
     (free,) = run(engine, [GenerationRequest(prompt, 40)])
     ids = free.final.output_ids

@@ -16,13 +16,12 @@ class TritonPythonModel:
         self.tokenizer = TokenizerFile(tokenizer_path) if tokenizer_path.exists() else None
         hops = triton_io.engine_hops(args)
         metrics = EngineMetrics(self.limits.max_draft_tokens, triton_io.TritonMetricSink())
-        threads = int_parameter(params, "response_threads", 0) if "response_threads" in params else 0
+        threads = int_parameter(params, "response_threads", 0, default=0)
         self.responses = ResponseThreads(threads) if threads else None  # else sent from the engine's step
         self.scheduler = Scheduler(hops, self.limits, metrics, self.tokenizer,
                                    cancel_check_interval_s=triton_io.CANCEL_CHECK_INTERVAL_S,
                                    drain_responses=self.responses.drain if self.responses else None,
-                                   stream_interval=int_parameter(params, "stream_interval", 1)
-                                   if "stream_interval" in params else 1)
+                                   stream_interval=int_parameter(params, "stream_interval", 1, default=1))
         self.scheduler.start()
 
     def execute(self, requests):
