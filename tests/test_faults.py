@@ -46,8 +46,8 @@ def server(triton_server_for, spec_decode_repository: Path, tmp_path_factory: py
     return triton_server_for(repository, admin_key=ADMIN_KEY, model_control_mode="explicit")
 
 
-def request(index: int, max_tokens: int, prompt: tuple[int, ...] = (5, 6)) -> SoakRequest:
-    return SoakRequest(index, "greedy", 0, prompt, max_tokens, 2)
+def request(index: int, max_tokens: int, prompt: tuple[int, ...] = (5, 6), num_draft_tokens: int = 2) -> SoakRequest:
+    return SoakRequest(index, "greedy", 0, prompt, max_tokens, num_draft_tokens)
 
 
 @dataclass
@@ -109,11 +109,36 @@ def test_text_input_may_fill_max_prompt_bytes_and_not_one_more(server) -> None:
             client.generate("é" + "y" * (MAX_PROMPT_BYTES - 1), max_tokens=2)  # é is two bytes
 
 
+def slots_and_queue_fill(server, thread: threading.Thread, together: Together, most_tokens: int) -> bool:
+    """Whether the gauges show every slot live and the queue full while no live request has streamed
+    `most_tokens` tokens yet; False once a request finished or `thread` ended first."""
+    while thread.is_alive() and not together.finals:
+        gauges = slot_gauges(server.metrics_url)
+        if gauges["spec_decode_live_sequences"] == SLOTS and gauges["spec_decode_waiting_requests"] == QUEUE:
+            return max((len(d) for d in list(together.deltas.values())), default=0) < most_tokens
+        time.sleep(0.01)
+    return False
+
+
 def test_queue_takes_max_queue_size_beyond_the_slots_and_refuses_the_next(server) -> None:
-    thread, together = send_together(server, [request(i, 100) for i in range(SLOTS + QUEUE + 1)])
+    # Plain decoding (one token a step) of MAX_SEQ_LEN - 2 tokens; the next request is sent once the
+    # slots and the queue are full with every live request less than halfway, so none can finish (and
+    # free a slot) before it arrives. An attempt where the requests reached the server too slowly for
+    # that (a loaded host) is waited out and made again.
+    long = MAX_SEQ_LEN - 2
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    for _ in range(3):
+        thread, together = send_together(server, [request(i, long, num_draft_tokens=0) for i in range(SLOTS + QUEUE)])
+        if slots_and_queue_fill(server, thread, together, most_tokens=long // 2):
+            refused = run_one(client, request(SLOTS + QUEUE, 4), stream=False)
+            break
+        thread.join(timeout=120)
+        wait_for_idle(server.metrics_url, SLOTS)
+    else:
+        pytest.fail("the slots and the queue were never full at once in three attempts")
     thread.join(timeout=120)
-    assert len(together.errors) == 1 and "slots are busy" in together.errors[0], together.errors
-    assert len(together.finals) == SLOTS + QUEUE
+    assert refused.error is not None and "slots are busy" in refused.error, refused.error
+    assert not together.errors and len(together.finals) == SLOTS + QUEUE, together.errors
     assert all(len(together.deltas[i]) == int(final["num_output_tokens"][0]) for i, final in together.finals.items())
     assert wait_for_idle(server.metrics_url, SLOTS)["spec_decode_free_slots"] == SLOTS
 
