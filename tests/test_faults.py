@@ -189,7 +189,8 @@ def stub_pid(server, model: str) -> int:
 
 
 def test_killed_target_stub_fails_in_flight_streams_and_a_reload_restores_service(server) -> None:
-    thread, together = send_together(server, [request(i, 100) for i in range(3)])
+    # plain decoding of MAX_SEQ_LEN - 2 tokens: a step per token, so none finishes before the kill
+    thread, together = send_together(server, [request(i, MAX_SEQ_LEN - 2, num_draft_tokens=0) for i in range(3)])
     deadline = time.monotonic() + 60
     while slot_gauges(server.metrics_url)["spec_decode_live_sequences"] < 3:
         assert time.monotonic() < deadline
