@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 
 from triton_mtp.export.checkpoint import load_checkpoint
+from triton_mtp.export.formats import DTYPES
+from triton_mtp.export.moe import MOE_KINDS, default_moe_kind
 from triton_mtp.serving import graphs
 from triton_mtp.serving.requests import EngineLimits, GenerationRequest, TokenizerFile, default_limits
 from triton_mtp.serving.scheduler import Scheduler
@@ -56,8 +58,9 @@ def run(args: argparse.Namespace) -> dict:
     prompts = held_out_prompts(tokenizer, args.prompts, args.prompt_tokens)
     draft_counts = [int(k) for k in args.draft_tokens.split(",")]
     max_seq_len = args.prompt_tokens + args.max_tokens + max(draft_counts) + 1
+    moe = args.moe or default_moe_kind(device, DTYPES[args.dtype])
     config, target, mtp = load_checkpoint(args.checkpoint, args.dtype, device, max_slots=len(prompts),
-                                          max_seq_len=max_seq_len, progress=False)
+                                          max_seq_len=max_seq_len, progress=False, moe=moe)
     limits = EngineLimits(max_slots=len(prompts), max_seq_len=max_seq_len, vocab_size=config.vocab_size,
                           max_draft_tokens=max(draft_counts), default_num_draft_tokens=0, eos_token_id=-1,
                           max_queue_size=len(prompts), **default_limits(max_seq_len))
@@ -76,7 +79,7 @@ def run(args: argparse.Namespace) -> dict:
                          DraftWorker(mtp_step, layers, len(prompts), device, dtype, greedy=timed_mtp))
     results = {"benchmark": "engine_overhead", "device": str(device), "dtype": args.dtype, "prompts": len(prompts),
                "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "graphs": args.graphs,
-               "compile": args.compile,
+               "compile": args.compile, "moe": moe,
                "environment": environment(), "runs": {}}
     handle = _Drop()
     for k in draft_counts:
@@ -136,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--draft-tokens", default="0,3", help="comma-separated k values (0 = plain)")
     parser.add_argument("--graphs", action="store_true", help="replay the model calls from decode graphs (CUDA)")
+    parser.add_argument("--moe", choices=MOE_KINDS, help="routed experts (export/moe.py; default as the eager export)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile(dynamic=True) the model steps, as the eager format loads them")
     parser.add_argument("--profile", help="write the op table of the last k's run to this file")

@@ -6,8 +6,8 @@
 # Run from the repository root. Stages, each under its own time limit; a stage that fails or runs out
 # of time is logged and the others still run:
 #   engine      (on a GPU, only when BENCH_ONLY names it) bench/engine_overhead.py, the engine in process
-#               with its decode graphs, 1 and 32 prompts, k = 0 and 3, model steps compiled and not:
-#               $OUT/engine/
+#               with its decode graphs, 1 and 32 prompts, k = 0 and 3, model steps compiled and not
+#               (BENCH_ENGINE_COMPILED=0: not compiled only): $OUT/engine/
 #   load_time   (on a GPU, only when BENCH_ONLY names it) bench/load_time.py: seconds to a ready server whose
 #               graphs capture compiled steps (--compile-graphs, local hops), with and without the compile
 #               cache the export ships: $OUT/load_time.json
@@ -23,7 +23,9 @@
 #   standalone  bench/standalone.py: the same checkpoint in one process, steps as captured CUDA graphs,
 #               with and without speculation
 #   hf_generate bench/hf_generate.py: transformers generate(do_sample=False), the same checkpoint
-#   realistic   bench/realistic.py: the DeepSeek-V2-Lite-shaped decode step against its bandwidth floor
+#   realistic   bench/realistic.py: the DeepSeek-V2-Lite-shaped decode step against its bandwidth floor, dense
+#               and grouped MoE (BENCH_REALISTIC_GRAPHS=reduce-overhead: steps compiled, then graphed), and the
+#               op table of one eager step: $OUT/realistic_profile.txt
 #   standalone_compiled  the standalone loop under torch.compile(mode="reduce-overhead"), with the time left
 # Every stage is cut to what BENCH_DEADLINE_S (default 540) leaves, and the report is rewritten after each.
 # then bench/report.py writes $OUT/results.json, results.md, sweep.png, acceptance.png (with matplotlib);
@@ -37,7 +39,8 @@
 #
 # BENCH_SKIP="STAGE ...": leave those stages out (their results then come from an earlier run);
 # BENCH_ONLY="STAGE ...": run only those. BENCH_RESPONSE_THREADS=N exports with --response-threads N,
-# BENCH_STREAM_INTERVAL=N with --stream-interval N.
+# BENCH_STREAM_INTERVAL=N with --stream-interval N. BENCH_MOE=grouped|dense picks the routed experts' kind
+# (export/moe.py) of the export, standalone and engine stages (default: the export's default).
 # BENCH_SMOKE=1: tiny sizes on CPU (fp32, eager, 2 prompts of 16 tokens, k=1,2, streams 1,2; a synthetic
 # checkpoint when none is given) so the whole script is known to run. BENCH_REPOSITORY=<dir> serves an
 # existing repository instead of exporting. BENCH_FORMAT picks the export format.
@@ -113,7 +116,8 @@ from triton_mtp.export.synthetic import write_checkpoint; write_checkpoint('$che
     fi
 else
     device=cuda dtype=bf16 graphs=cudagraph default_format=eager prompts=8 prompt_tokens=128 max_tokens=128 drafts=1,2,3,4
-    streams=1,2,4,8,16,32,64 hf_prompts=4 warmup=1 limit=0 realistic_args=(--layers "${BENCH_REALISTIC_LAYERS:-27}" --context 512)
+    streams=1,2,4,8,16,32,64 hf_prompts=4 warmup=1 limit=0 realistic_args=(--layers "${BENCH_REALISTIC_LAYERS:-27}" --context 512
+                                                   --graphs "${BENCH_REALISTIC_GRAPHS:-cudagraph}")
 fi
 checkpoint=${checkpoint:-$repo/models/tiny-dsv3-mtp}
 format=${BENCH_FORMAT:-$default_format}
@@ -122,6 +126,9 @@ format_args=()
 [ "$format" = eager ] && [ "${BENCH_COMPILE:-0}" = 1 ] && format_args+=(--compile-graphs)  # ... or of compiled ones
 [ -n "${BENCH_RESPONSE_THREADS:-}" ] && format_args+=(--response-threads "$BENCH_RESPONSE_THREADS")
 [ -n "${BENCH_STREAM_INTERVAL:-}" ] && format_args+=(--stream-interval "$BENCH_STREAM_INTERVAL")
+moe_args=()
+[ -n "${BENCH_MOE:-}" ] && moe_args=(--moe "$BENCH_MOE")
+format_args+=("${moe_args[@]}")
 max_draft=${drafts##*,}
 max_seq_len=$((prompt_tokens + max_tokens + max_draft + 1))
 common=(--checkpoint "$checkpoint" --prompts "$prompts" --prompt-tokens "$prompt_tokens" --max-tokens "$max_tokens")
@@ -162,10 +169,12 @@ if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" engine "* ]]; then  # on
     # graphed, per batch size, model steps compiled or not (compiling takes minutes of the deadline)
     mkdir -p "$OUT/engine"
     for b in 1 32; do
-        for compiled in "" --compile; do
+        compiled_modes=("" --compile)
+        [ "${BENCH_ENGINE_COMPILED:-1}" = 0 ] && compiled_modes=("")
+        for compiled in "${compiled_modes[@]}"; do
             stage engine "${BENCH_ENGINE_S:-120}" python -m bench.engine_overhead --checkpoint "$checkpoint" \
                 --device cuda --dtype "$dtype" --graphs $compiled --prompts "$b" --prompt-tokens "$prompt_tokens" \
-                --max-tokens "$max_tokens" --draft-tokens 0,3 --out "$OUT/engine/graphs${compiled:+_compiled}_b$b.json"
+                --max-tokens "$max_tokens" --draft-tokens 0,3 "${moe_args[@]}" --out "$OUT/engine/graphs${compiled:+_compiled}_b$b.json"
         done
     done
 fi
@@ -209,16 +218,16 @@ if [ -d "$local_repository/spec_decode" ]; then
     stub_path_off
 fi
 stage standalone "${BENCH_STANDALONE_S:-75}" python -m bench.standalone "${common[@]}" --out "$stages/standalone.json" \
-    --device "$device" --dtype "$dtype" --graphs "$graphs" --draft-tokens "$drafts"
+    --device "$device" --dtype "$dtype" --graphs "$graphs" --draft-tokens "$drafts" "${moe_args[@]}"
 stage hf_generate "${BENCH_HF_S:-45}" python -m bench.hf_generate --checkpoint "$checkpoint" --prompts "$hf_prompts" \
     --prompt-tokens "$prompt_tokens" --max-tokens "$max_tokens" --out "$stages/hf_generate.json" \
     --device "$device" --dtype "$dtype"
 stage realistic "${BENCH_REALISTIC_S:-75}" python -m bench.realistic --out "$stages/realistic.json" --device "$device" \
-    "${realistic_args[@]}"
+    "${realistic_args[@]}" --profile "$OUT/realistic_profile.txt"
 if [ "$device" = cuda ]; then  # compiling may take minutes: last, with what time is left
     stage standalone_compiled "${BENCH_COMPILED_S:-200}" python -m bench.standalone "${common[@]}" \
         --out "$stages/standalone_compiled.json" --device "$device" --dtype "$dtype" --graphs reduce-overhead \
-        --draft-tokens "$drafts"
+        --draft-tokens "$drafts" "${moe_args[@]}"
 fi
 python -m bench.report --stages "$stages" --out "$OUT" 2>&1 | tee -a "$log" || { say "report failed"; exit 1; }
 ls -la "$OUT" | tee -a "$log"

@@ -4,8 +4,10 @@ The model is `export.model.DeepseekV3Target` with random bf16 weights made direc
 checkpoint files): hidden 2048, 27 layers, MLA with kv_lora_rank 512 and no q-LoRA, 64 routed experts
 top-6 plus 2 shared (moe_intermediate 1408), first layer dense (10944), vocabulary 102400. One decode
 step (one token, context `--context` tokens) is captured as a CUDA graph and replayed; it is timed
-twice: with the exported model's dense MoE (every expert on every token) and with the decode-path
-`bench.moe_decode.SelectedExpertsMoE` (only the selected experts' weights are read).
+twice: with the dense MoE (every expert on every token), then with the grouped MoE the eager export
+serves on GPUs (`export.moe`, `MoE.group_experts`: only the selected experts' weights are read), as
+"selected". Where grouped_mm does not run natively for the device and dtype, "selected" is left out.
+`--profile FILE` writes the op table (torch.profiler) of one eager step of the last variant.
 
     floor = (weight bytes touched per step + KV bytes of the context) / copy bandwidth
 
@@ -13,21 +15,21 @@ Copy bandwidth is measured here: a device-to-device copy of `--copy-bytes` moves
 (read + write). Bytes touched count every weight a step reads (the embedding as one row) with all
 routed experts (dense) or top-k of them per MoE layer (selected).
 
-    python -m bench.realistic --out realistic.json [--layers 27 --context 512 --device cuda]
+    python -m bench.realistic --out realistic.json [--layers 27 --context 512 --device cuda --profile ops.txt]
 """
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
 from .common import environment, step_time, synchronize, write_result
 from .graphs import place_rope, wrap_step
-from .moe_decode import grouped_mm_works, use_selected_experts
 from triton_mtp.export.config import ModelConfig
 from triton_mtp.export.model import DeepseekV3Target
-from triton_mtp.export.moe import MoE
+from triton_mtp.export.moe import MoE, group_experts, grouped_mm_works
 from triton_mtp.export.rope import RotaryEmbedding
 
 
@@ -72,7 +74,7 @@ def random_target(config: ModelConfig, max_seq_len: int, device: torch.device, d
 
 def bytes_touched(config: ModelConfig, target: DeepseekV3Target, selected: bool) -> int:
     """Weight bytes one decode step of one token reads: all parameters, embedding as one row, routed experts
-    all (dense MoE) or top-k per MoE layer (selected)."""
+    all (dense MoE) or top-k per MoE layer (selected). `target` is the dense model (not yet grouped)."""
     element = target.lm_head.weight.element_size()
     routed = sum(p.numel() for m in target.modules() if isinstance(m, MoE) for p in m.experts.parameters())
     total = sum(p.numel() for p in target.parameters()) - target.model.embed_tokens.weight.numel() + config.hidden_size
@@ -121,24 +123,16 @@ def run(args: argparse.Namespace) -> dict:
               "copy_bandwidth_GBps": bandwidth / 1e9, "kv_bytes": kv,
               "params": sum(p.numel() for p in target.parameters()),
               "grouped_mm": grouped_mm_works(device, dtype), "moe": {}}
-    variants = {"selected": bytes_touched(config, target, True), "dense": bytes_touched(config, target, False)}
-    swapped = use_selected_experts(target)  # selected first: P4 is about it
+    variants = {"dense": bytes_touched(config, target, False), "selected": bytes_touched(config, target, True)}
+    if not result["grouped_mm"]:
+        print(f"realistic: grouped_mm does not run for {args.dtype} on {device}; timing the dense MoE only", flush=True)
+        del variants["selected"]
     for name, touched in variants.items():
-        if name == "dense":
-            for layer, moe in swapped:
-                layer.mlp = moe
+        if name == "selected":
+            group_experts(target)
         with torch.no_grad():
             eager_s = step_time(target, inputs, device, max(2, args.repeats // 10))
-        try:
-            step = wrap_step(target, args.graphs, inputs)
-        except RuntimeError as exc:  # grouped_mm that runs eagerly but does not capture
-            if name != "selected" or not result["grouped_mm"]:
-                raise
-            print(f"realistic: capturing grouped_mm failed ({exc}); using gather + bmm", flush=True)
-            for layer, _ in swapped:
-                layer.mlp.use_grouped_mm = False
-            result["grouped_mm"] = False
-            step = wrap_step(target, args.graphs, inputs)
+        step = wrap_step(target, args.graphs, inputs)
         seconds = step_time(step, inputs, device, args.repeats)
         floor = (touched + kv) / bandwidth
         result["moe"][name] = {"weight_bytes_touched": touched, "params_touched": touched // target.lm_head.weight.element_size(),
@@ -148,7 +142,23 @@ def run(args: argparse.Namespace) -> dict:
               f"({touched / 1e9:.2f} GB touched), eager {eager_s * 1e3:.2f} ms", flush=True)
         write_result(args.out, result)  # what is done so far survives a time limit
         del step
+    if args.profile:
+        profile_step(target, inputs, args.profile)
     return result
+
+
+def profile_step(target: DeepseekV3Target, inputs: tuple[torch.Tensor, ...], path: str) -> None:
+    """Write the op table of one eager decode step, sorted by device time."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if inputs[0].is_cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.no_grad():
+        target(*inputs)  # warm
+        with torch.profiler.profile(activities=activities) as prof:
+            target(*inputs)
+            synchronize(inputs[0].device)
+    sort = "self_cuda_time_total" if inputs[0].is_cuda else "self_cpu_time_total"
+    Path(path).write_text(prof.key_averages().table(sort_by=sort, row_limit=40) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, help="override hidden_size (smoke runs)")
     parser.add_argument("--experts", type=int, help="override n_routed_experts (smoke runs)")
     parser.add_argument("--vocab", type=int, help="override vocab_size (smoke runs)")
+    parser.add_argument("--profile", metavar="FILE", help="write the op table of one eager step here")
     run(parser.parse_args(argv))
     return 0
 

@@ -25,6 +25,8 @@ import torch
 from .common import acceptance_summary, environment, held_out_prompts, latency_summary, synchronize, write_result
 from .graphs import MODES, place_rope, wrap_step
 from triton_mtp.export.checkpoint import load_checkpoint
+from triton_mtp.export.formats import DTYPES
+from triton_mtp.export.moe import MOE_KINDS, default_moe_kind
 from triton_mtp.export.model import DeepseekV3MTP, DeepseekV3Target
 from triton_mtp.serving.rejection import verify
 from triton_mtp.serving.sampling import SamplingParams, target_probs
@@ -206,13 +208,14 @@ def run(args: argparse.Namespace) -> dict:
     draft_counts = [int(k) for k in args.draft_tokens.split(",") if k] if args.draft_tokens else []
     max_draft = max(draft_counts, default=0)
     max_seq_len = args.prompt_tokens + args.max_tokens + max_draft + 1
+    moe = args.moe or default_moe_kind(device, DTYPES[args.dtype])
     config, target, mtp = load_checkpoint(args.checkpoint, args.dtype, device, max_slots=1,
-                                          max_seq_len=max_seq_len, progress=False)
+                                          max_seq_len=max_seq_len, progress=False, moe=moe)
     if mtp is None:
         draft_counts, max_draft = [], 0
     eos = config.eos_token_id if isinstance(config.eos_token_id, int) else None
     decoder = StandaloneDecoder(target, mtp, args.graphs, max_draft, eos)
-    results = {"benchmark": "standalone", "graphs": args.graphs, "dtype": args.dtype, "device": str(device),
+    results = {"benchmark": "standalone", "graphs": args.graphs, "dtype": args.dtype, "device": str(device), "moe": moe,
                "prompts": len(prompts), "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                "environment": environment(), "runs": {}}
     for k in [0, *draft_counts]:
@@ -234,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--graphs", default="reduce-overhead", choices=MODES)
     parser.add_argument("--draft-tokens", default="1,2,3,4", help="comma-separated k values besides plain")
+    parser.add_argument("--moe", choices=MOE_KINDS, help="routed experts (export/moe.py; default as the eager export)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)

@@ -25,6 +25,7 @@ from transformers.initialization import TORCH_INIT_FUNCTIONS
 from triton_mtp.export.config import ModelConfig
 from triton_mtp.export.errors import CheckpointError
 from triton_mtp.export.model import DeepseekV3MTP, DeepseekV3Target
+from triton_mtp.export.moe import MOE_KINDS, group_experts
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +67,19 @@ def load_checkpoint(
     max_slots: int = 4,
     max_seq_len: int | None = None,
     progress: bool = True,
+    moe: str = "dense",
 ) -> tuple[ModelConfig, DeepseekV3Target, DeepseekV3MTP | None]:
     """Build the target (and MTP, when the checkpoint has MTP layers) and load their weights.
+
+    `moe` "grouped" stacks each MoE's experts after loading (export/moe.py); "dense" keeps them.
 
     `max_seq_len` defaults to the config's `max_position_embeddings`. A checkpoint without MTP
     tensors (or with num_nextn_predict_layers 0) returns mtp=None and a config with
     num_nextn_predict_layers 0. Raises CheckpointError with a one-line message naming the file,
     tensor or key at fault.
     """
+    if moe not in MOE_KINDS:
+        raise ValueError(f"moe: must be one of {', '.join(MOE_KINDS)}, got {moe!r}")
     root = Path(checkpoint_dir)
     dtype = resolve_dtype(dtype)
     config = ModelConfig.from_checkpoint(root)
@@ -98,6 +104,8 @@ def load_checkpoint(
     for module in (target, mtp):
         if module is not None:
             module.eval().requires_grad_(False)
+    if moe == "grouped":
+        group_experts(target, mtp)
     return config, target, mtp
 
 

@@ -7,6 +7,7 @@ import sys
 
 from triton_mtp.export.formats import HOPS
 from triton_mtp.export.graphs import DTYPES, FORMATS
+from triton_mtp.export.moe import MOE_KINDS
 from triton_mtp.export.repository import DEVICES, write_repository
 
 
@@ -62,6 +63,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--hops", choices=HOPS, default="bls",
                         help="bls: spec_decode calls the target and mtp models (default); local: spec_decode runs "
                         "them in its own process, no hop per call (one GPU, the repository has spec_decode only)")
+    parser.add_argument("--moe", choices=MOE_KINDS, default=None,
+                        help="routed experts: grouped (grouped_mm over the picked experts; eager format) or dense (every "
+                        "expert on every token); default grouped on CUDA where grouped_mm runs (bf16, sm90+), else dense")
     parser.set_defaults(func=run)
 
 
@@ -78,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
             stream_interval=args.stream_interval,
             tensor_parallel=args.tensor_parallel,
             hops=args.hops,
+            moe=args.moe,
         )
     except (ValueError, OSError) as exc:
         print(f"triton-mtp export: error: {' '.join(str(exc).split())}", file=sys.stderr)

@@ -1,7 +1,17 @@
 """Dense MLP and DeepSeek-V3 mixture of experts (sigmoid scores, noaux_tc group-limited top-k).
 
-Every routed expert runs on every token and is weighted by its routing weight (zero when not selected):
-exact, free of data-dependent shapes, and cheap enough for the small models this runs on CPU.
+The routed experts run one of two ways (`MOE_KINDS`):
+
+- dense: every routed expert runs on every token, weighted by its routing weight (zero when not
+  selected). Free of data-dependent shapes, so every export format takes it, and cheap enough for
+  the small models this runs on CPU. A decode step reads all E experts' weights.
+- grouped (`MoE.group_experts`): the experts' weights are stacked into w13[E, 2I, H] (gate ‖ up) and
+  w2[E, H, I], and the routed part is two `torch.nn.functional.grouped_mm` calls over the tokens'
+  top-k picks sorted by expert. An expert no token picked is a group of zero rows and its weights
+  are not read: a decode step reads K of E experts. The group offsets stay on the device (no host
+  sync), so a step captures in a CUDA graph where grouped_mm runs natively (bf16 on CUDA sm90+). The
+  CPU build runs it for fp32 and bf16 too, but the default there stays dense. Under expert parallelism a rank holds E/W experts and takes K picks among
+  them, so picks with zero weight may read experts no token chose; the sum is the same.
 """
 
 from __future__ import annotations
@@ -11,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from triton_mtp.export.config import ModelConfig
+
+MOE_KINDS = ("grouped", "dense")
 
 
 class MLP(nn.Module):
@@ -69,13 +81,80 @@ class MoE(nn.Module):
             if config.n_shared_experts
             else None
         )
+        self.register_parameter("w13", None)  # [E, 2I, H] once grouped
+        self.register_parameter("w2", None)  # [E, H, I] once grouped
+
+    @property
+    def grouped(self) -> bool:
+        return self.w13 is not None
+
+    def group_experts(self) -> None:
+        """Stack the experts' weights into w13 / w2 and drop the per-expert modules (idempotent)."""
+        if self.grouped:
+            return
+        with torch.no_grad():
+            w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])  # [E, 2I, H]
+            w2 = torch.stack([e.down_proj.weight for e in self.experts])  # [E, H, I]
+        self.w13 = nn.Parameter(w13, requires_grad=False)
+        self.w2 = nn.Parameter(w2, requires_grad=False)
+        del self.experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [N, H]
-        weights = self.gate(flat)  # [N, E]
+        weights = self.gate(flat)  # [N, E] (this rank's E under expert parallelism)
+        routed = self._grouped(flat, weights) if self.grouped else self._dense(flat, weights)  # [N, H] f32
+        out = routed.to(x.dtype).view(shape)  # [..., H]
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+    def _dense(self, flat: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         routed = torch.zeros_like(flat, dtype=torch.float32)  # [N, H]
         for e, expert in enumerate(self.experts):
             routed = routed + expert(flat).float() * weights[:, e : e + 1]  # [N, H]
-        out = routed.to(x.dtype).view(shape)  # [..., H]
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        return routed
+
+    def _grouped(self, flat: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        N, E = weights.shape
+        K = min(self.gate.top_k, E)
+        top_w, top_idx = weights.topk(K, dim=-1)  # [N, K] each: the picks (chosen weights are > 0)
+        experts = top_idx.reshape(-1)  # [N*K]
+        order = experts.argsort(stable=True)  # [N*K] (token, pick) pairs grouped by expert
+        xs = flat.index_select(0, order // K)  # [N*K, H]
+        counts = torch.zeros(E, dtype=torch.int32, device=flat.device).scatter_add_(
+            0, experts, torch.ones_like(experts, dtype=torch.int32))  # [E] pairs per expert
+        offs = counts.cumsum(0, dtype=torch.int32)  # [E] end of each expert's rows
+        gate, up = F.grouped_mm(xs, self.w13.transpose(-2, -1), offs=offs).chunk(2, dim=-1)  # [N*K, I] each
+        ys = F.grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=offs)  # [N*K, H]
+        weighted = ys.float() * top_w.reshape(-1).index_select(0, order).unsqueeze(-1)  # [N*K, H]
+        # Back to (token, pick) order and a sum over the picks: deterministic, unlike atomic index_add.
+        return torch.empty_like(weighted).index_copy_(0, order, weighted).view(N, K, -1).sum(1)  # [N, H]
+
+
+def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `F.grouped_mm` runs natively for this device and dtype (a probe call). On CUDA it needs
+    sm90+: older GPUs run a fallback that copies the offsets to the host, which no graph captures."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    try:
+        a = torch.ones(2, 16, dtype=dtype, device=device)  # [2, 16]
+        b = torch.ones(2, 16, 16, dtype=dtype, device=device).transpose(-2, -1)  # [2, 16, 16]
+        F.grouped_mm(a, b, offs=torch.tensor([1, 2], dtype=torch.int32, device=device))
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def default_moe_kind(device: torch.device, dtype: torch.dtype) -> str:
+    """grouped on CUDA where grouped_mm runs natively, else dense."""
+    return "grouped" if device.type == "cuda" and grouped_mm_works(device, dtype) else "dense"
+
+
+def group_experts(*models: nn.Module | None) -> None:
+    """`MoE.group_experts` on every MoE of the given models (None skipped)."""
+    for model in models:
+        if model is not None:
+            for module in list(model.modules()):
+                if isinstance(module, MoE):
+                    module.group_experts()

@@ -1,7 +1,8 @@
 """Tensor parallelism (and expert parallelism for the routed experts) of the eager target and MTP.
 
 Megatron-LM's scheme, applied in place to modules already built and loaded, one rank per process
-(`torch.distributed`: NCCL on GPUs, gloo on CPU). Parameter names stay the checkpoint's:
+(`torch.distributed`: NCCL on GPUs, gloo on CPU). Parameter names stay the checkpoint's (grouped
+experts are the MoE's stacked `w13` / `w2`, export/moe.py):
 
 - MLA (`self_attn`): split by attention head. `q_b_proj` (or `q_proj`) and `kv_b_proj` keep this
   rank's heads' output rows, `o_proj` the matching input columns; the block output is a partial
@@ -10,8 +11,8 @@ Megatron-LM's scheme, applied in place to modules already built and loaded, one 
   rank for DeepSeek-V3 in bf16 ((512 + 64) × 61 layers × 2), against 624,640 for the per-head keys
   and values of 128 / 8 heads over 8 ranks (16 × (192 + 128) × 61 × 2).
 - Dense MLP and shared experts: `gate_proj` / `up_proj` column-parallel, `down_proj` row-parallel.
-- Routed experts: expert-parallel. Rank r keeps experts [r·E/W, (r+1)·E/W) and weighs them for
-  every token; the gate stays replicated (it routes over all experts) and hands each rank its
+- Routed experts: expert-parallel. Rank r keeps experts [r·E/W, (r+1)·E/W) (modules, or slices of
+  the stacked weights once grouped) and weighs them for every token; the gate stays replicated (it routes over all experts) and hands each rank its
   columns. Routed and shared partial sums are added before the MoE's one all-reduce.
 - `lm_head` (the MTP's `shared_head.head` is the same module): vocab-parallel rows, all-gathered
   along the vocabulary so every rank returns full logits. Embeddings stay replicated.
@@ -33,7 +34,7 @@ from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.export.config import ModelConfig
 from triton_mtp.export.mla import MLAttention
 from triton_mtp.export.model import DecoderLayer, DeepseekV3MTP, DeepseekV3Target
-from triton_mtp.export.moe import MLP, MoE
+from triton_mtp.export.moe import MLP, MoE, group_experts
 
 
 def check_tensor_parallel(config: ModelConfig, world_size: int) -> None:
@@ -84,8 +85,9 @@ def load_sharded(
     max_slots: int = 4,
     max_seq_len: int | None = None,
     group: dist.ProcessGroup | None = None,
+    moe: str = "dense",
 ) -> tuple[ModelConfig, DeepseekV3Target, DeepseekV3MTP | None]:
-    """`load_checkpoint`, then `shard_models` for this rank.
+    """`load_checkpoint`, then `shard_models` for this rank, then `moe` "grouped" stacks this rank's experts.
 
     Every rank streams the whole checkpoint onto `device` and then drops what it does not hold,
     which needs the unsharded model to fit there once. For DeepSeek-V3 size, the next step is to
@@ -94,6 +96,8 @@ def load_sharded(
     check_tensor_parallel(ModelConfig.from_checkpoint(checkpoint_dir), world_size)  # before the long load
     config, target, mtp = load_checkpoint(checkpoint_dir, dtype, device, max_slots, max_seq_len, progress=False)
     shard_models(target, mtp, rank, world_size, group)
+    if moe == "grouped":
+        group_experts(target, mtp)
     return config, target, mtp
 
 
@@ -123,9 +127,13 @@ def _shard_mlp(mlp: MLP, rank: int, world_size: int) -> None:
 
 
 def _shard_moe(moe: MoE, rank: int, world_size: int) -> None:
-    per_rank = len(moe.experts) // world_size
+    per_rank = moe.gate.num_experts // world_size
     first = rank * per_rank
-    moe.experts = nn.ModuleList(moe.experts[first : first + per_rank])
+    if moe.grouped:
+        moe.w13 = nn.Parameter(moe.w13[first : first + per_rank].clone(), requires_grad=False)  # [E/W, 2I, H]
+        moe.w2 = nn.Parameter(moe.w2[first : first + per_rank].clone(), requires_grad=False)  # [E/W, H, I]
+    else:
+        moe.experts = nn.ModuleList(moe.experts[first : first + per_rank])
     moe.gate.register_forward_hook(_Columns(first, first + per_rank))
     if moe.shared_experts is not None:
         _shard_mlp(moe.shared_experts, rank, world_size)

@@ -33,6 +33,7 @@ from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.export.config import ModelConfig
 from triton_mtp.export.formats import HOPS
 from triton_mtp.export.graphs import DTYPES, FORMATS, check_parity, export_graphs
+from triton_mtp.export.moe import MOE_KINDS, default_moe_kind, grouped_mm_works
 from triton_mtp.export.parallel import check_tensor_parallel
 from triton_mtp.serving.graphs import compile_at_load
 from triton_mtp.serving.requests import default_limits
@@ -65,6 +66,7 @@ def write_repository(
     stream_interval: int = 1,
     tensor_parallel: int = 1,
     hops: str = "bls",
+    moe: str | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
@@ -81,7 +83,9 @@ def write_repository(
     and `mtp` models shard over that many ranks at load (serving/parallel.py). Existing `target`,
     `mtp`, `spec_decode` folders in `repo_dir` are replaced. `hops` "local" makes `spec_decode` run the
     target and MTP workers in its own process instead of calling the `target` and `mtp` models (no BLS
-    hop per call; one rank only), and writes `spec_decode` alone.
+    hop per call; one rank only), and writes `spec_decode` alone. `moe` is how the routed experts run
+    (export/moe.py): the eager format defaults to "grouped" on CUDA where grouped_mm runs for the
+    dtype, else "dense"; the graph formats are "dense".
     """
     fmt = DEFAULT_FORMATS.get(device) if fmt is None else fmt  # an unknown device is reported first
     _check_settings(fmt, device, dtype, max_slots, max_seq_len, max_draft_tokens, max_queue_size)
@@ -95,7 +99,9 @@ def write_repository(
     if tensor_parallel > 1 and fmt != "eager":
         raise ValueError(f"--tensor-parallel {tensor_parallel}: needs --format eager (shards are cut at load), got {fmt}")
     check_tensor_parallel(ModelConfig.from_checkpoint(checkpoint_dir), tensor_parallel)
-    config, target, mtp = load_checkpoint(checkpoint_dir, dtype, device, max_slots, max_seq_len, progress=progress)
+    moe = _moe_kind(fmt, device, dtype, moe)
+    config, target, mtp = load_checkpoint(checkpoint_dir, dtype, device, max_slots, max_seq_len, progress=progress,
+                                          moe=moe)
     max_seq_len = target.max_seq_len
     if max_draft_tokens + 3 > max_seq_len:
         raise ValueError(f"max_seq_len: {max_seq_len} leaves no room for a verify window of {max_draft_tokens + 1} tokens")
@@ -116,7 +122,7 @@ def write_repository(
         with tqdm(total=1 + num_mtp_layers, desc=f"exporting {fmt}", unit="graph", disable=not progress) as bar:
             artifacts = export_graphs(
                 target, mtp, artifact_dirs[0], fmt, mtp_dir=artifact_dirs[1],
-                checkpoint_dir=checkpoint_dir, dtype=dtype, eager_compile=eager_compile,
+                checkpoint_dir=checkpoint_dir, dtype=dtype, eager_compile=eager_compile, moe=moe,
                 on_saved=lambda name: bar.update(1),
             )
         compiles = _compiles_at_load(fmt, device, cuda_graphs, compile_graphs, eager_compile, tensor_parallel)
@@ -167,6 +173,7 @@ def write_repository(
         "tensor_parallel_size": tensor_parallel,
         "hops": hops,
         "compile_graphs": compile_graphs,
+        "moe": moe,
         "checkpoint": str(checkpoint_dir.resolve()),
         "torch_version": torch.__version__,
         "sizes": {k: values[k] for k in ("max_slots", "max_seq_len", "max_draft_tokens", "default_num_draft_tokens",
@@ -212,6 +219,22 @@ def _request_limits(max_seq_len: int, overrides: dict[str, int | float]) -> dict
         if limits[name] >= max_seq_len:
             raise ValueError(f"{name}: {limits[name]} leaves no room in max_seq_len {max_seq_len}")
     return limits
+
+
+def _moe_kind(fmt: str, device: str, dtype: str, moe: str | None) -> str:
+    """The MoE kind to export: `moe` checked against the format and device, or the default."""
+    if moe is not None and moe not in MOE_KINDS:
+        raise ValueError(f"moe: must be one of {', '.join(MOE_KINDS)}, got {moe!r}")
+    if fmt != "eager":
+        if moe == "grouped":
+            raise ValueError(f"moe: grouped needs --format eager (the {fmt} graphs export the dense MoE)")
+        return "dense"
+    if moe is None:
+        return default_moe_kind(torch.device(device), DTYPES[dtype])
+    if moe == "grouped" and not grouped_mm_works(torch.device(device), DTYPES[dtype]):
+        raise ValueError(f"moe: grouped needs torch.nn.functional.grouped_mm for {dtype} on {device} "
+                         "(bf16 on CUDA sm90+); use --moe dense")
+    return moe
 
 
 def _compiles_at_load(fmt: str, device: str, cuda_graphs: bool, compile_graphs: bool, eager_compile: bool,

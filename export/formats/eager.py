@@ -1,7 +1,8 @@
 """Eager: no graph, a reference to the checkpoint; load rebuilds the model and applies `torch.compile`.
 
-The artifact is a small JSON file naming the checkpoint directory, dtype and pool sizes, plus which
-step it is (`target`, or `mtp` with its layer). Loading builds the model once for all files given.
+The artifact is a small JSON file naming the checkpoint directory, dtype, pool sizes and MoE kind
+(export/moe.py), plus which step it is (`target`, or `mtp` with its layer). Loading builds the model
+once for all files given.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import nn
 
 from triton_mtp.export.formats import DTYPES, kv_cache_of, set_buffer
 from triton_mtp.export.model import DeepseekV3MTP, MTPLayerStep
+from triton_mtp.export.moe import MOE_KINDS
 from triton_mtp.export.parallel import load_sharded
 
 EXTENSION = "json"
@@ -28,10 +30,12 @@ def save(
     checkpoint_dir: Path,
     dtype: str,
     compile: bool = True,
+    moe: str = "dense",
 ) -> None:
     """Write the reference; `step` is the target or an `MTPLayerStep` (its `layer` is recorded).
 
     `compile` is the default of `load`: whether the rebuilt steps go through `torch.compile`.
+    `moe` is how the rebuilt model runs its routed experts (a kind of export/moe.py).
     """
     _, pool = kv_cache_of(step)
     _, max_slots, seq_plus_one, _ = pool.shape
@@ -43,6 +47,7 @@ def save(
         "step": "mtp" if isinstance(step, MTPLayerStep) else "target",
         "layer": step.layer if isinstance(step, MTPLayerStep) else None,
         "compile": compile,
+        "moe": moe,
     }
     path.write_text(json.dumps(reference, indent=2) + "\n")
 
@@ -100,13 +105,15 @@ def load(
     `rank`'s tensor-parallel shard (export/parallel.py; the default process group must be up).
     """
     references = [_read_reference(p) for p in paths]
-    keys = ("checkpoint", "dtype", "max_slots", "max_seq_len", "compile")
+    keys = ("checkpoint", "dtype", "max_slots", "max_seq_len", "compile", "moe")
     first = {k: references[0][k] for k in keys}
     for path, ref in zip(paths, references):
-        if {k: ref[k] for k in keys} != first:
-            raise ValueError(f"{path}: names a different checkpoint or sizes than {paths[0]}")
+        differing = [k for k in keys if ref[k] != first[k]]
+        if differing:
+            raise ValueError(f"{path}: differs from {paths[0]} in {', '.join(differing)}")
     _, target, mtp = load_sharded(
-        first["checkpoint"], rank, world_size, DTYPES[first["dtype"]], device, first["max_slots"], first["max_seq_len"]
+        first["checkpoint"], rank, world_size, DTYPES[first["dtype"]], device, first["max_slots"], first["max_seq_len"],
+        moe=first["moe"],
     )
     compile = first["compile"] if compile is None else compile
     graphs = []
@@ -130,4 +137,7 @@ def _read_reference(path: Path) -> dict:
             raise ValueError(f"{path}: missing key {key!r}")
     if reference["dtype"] not in DTYPES:
         raise ValueError(f"{path}: key 'dtype' must be one of {', '.join(DTYPES)}, got {reference['dtype']!r}")
+    reference.setdefault("moe", "dense")  # written before the MoE kind was recorded
+    if reference["moe"] not in MOE_KINDS:
+        raise ValueError(f"{path}: key 'moe' must be one of {', '.join(MOE_KINDS)}, got {reference['moe']!r}")
     return reference

@@ -1,0 +1,149 @@
+"""The grouped MoE (export/moe.py): the dense MoE's outputs, only the picked experts read, expert-parallel
+shards that sum to the whole, a served repository that decodes the dense one's tokens, and refusals."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiny_config import tiny_config
+from triton_mtp.client import Client
+from triton_mtp.export.checkpoint import load_checkpoint
+from triton_mtp.export.config import ModelConfig
+from triton_mtp.export.formats import eager
+from triton_mtp.export.moe import MoE, default_moe_kind, group_experts, grouped_mm_works
+from triton_mtp.export.parallel import _shard_moe
+from triton_mtp.export.repository import write_repository
+
+VOCAB = 128
+
+
+def random_moe(dtype: torch.dtype, seed: int = 0, **overrides) -> MoE:
+    torch.manual_seed(seed)
+    moe = MoE(ModelConfig.from_dict({**tiny_config(), **overrides})).to(dtype)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    torch.nn.init.normal_(moe.gate.e_score_correction_bias)
+    return moe
+
+
+def needs_grouped_mm(dtype: torch.dtype) -> None:
+    if not grouped_mm_works(torch.device("cpu"), dtype):
+        pytest.skip(f"torch.nn.functional.grouped_mm does not run for {dtype} on this CPU build")
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("shape", [(1, 1), (2, 5), (7, 3)])
+def test_grouped_moe_matches_the_dense_moe(dtype, tolerance, shape):
+    needs_grouped_mm(dtype)
+    moe = random_moe(dtype)
+    x = torch.randn(*shape, 64, dtype=dtype)  # [B, T, H]
+    dense = moe(x)  # [B, T, H]
+    moe.group_experts()
+    grouped = moe(x)  # [B, T, H]
+    assert grouped.shape == dense.shape and grouped.dtype == dense.dtype
+    assert (grouped.float() - dense.float()).abs().max() <= tolerance * dense.float().abs().max()
+
+
+def test_grouping_stacks_the_experts_once():
+    moe = random_moe(torch.float32)
+    gate_0 = moe.experts[0].gate_proj.weight.clone()
+    down_7 = moe.experts[7].down_proj.weight.clone()
+    group_experts(moe, None)
+    w13 = moe.w13
+    moe.group_experts()  # a second call changes nothing
+    assert moe.w13 is w13 and not hasattr(moe, "experts")
+    assert torch.equal(moe.w13[0, : gate_0.shape[0]], gate_0) and torch.equal(moe.w2[7], down_7)
+    names = {name for name, _ in moe.named_parameters()}
+    assert {"w13", "w2"} <= names and not any(name.startswith("experts.") for name in names)
+
+
+def test_experts_no_token_picked_are_never_read():
+    needs_grouped_mm(torch.float32)
+    moe = random_moe(torch.float32)
+    moe.group_experts()
+    x = torch.randn(3, 64)  # [N, H]: 3 tokens × top-2 picks leave at least 2 of the 8 experts unpicked
+    before = moe(x)  # [N, H]
+    picked = moe.gate(x).gt(0).any(dim=0)  # [E]
+    assert (~picked).sum() >= 2
+    with torch.no_grad():
+        moe.w13[~picked] = float("nan")
+        moe.w2[~picked] = float("nan")
+    assert torch.equal(moe(x), before)
+
+
+@pytest.mark.parametrize("world_size", [2, 8])
+def test_expert_parallel_shards_of_the_grouped_moe_sum_to_the_whole(world_size):
+    needs_grouped_mm(torch.float32)
+    moe = random_moe(torch.float32)
+    moe.group_experts()
+    x = torch.randn(2, 4, 64)  # [B, T, H]
+    whole = moe(x)  # [B, T, H]
+    parts = []
+    for rank in range(world_size):
+        shard = copy.deepcopy(moe)
+        _shard_moe(shard, rank, world_size)
+        assert shard.w13.shape[0] == 8 // world_size
+        parts.append(shard(x))  # [B, T, H] partial sum
+    assert torch.allclose(torch.stack(parts).sum(0), whole, atol=1e-5, rtol=1e-5)
+
+
+def test_default_kind_is_dense_on_cpu():
+    assert default_moe_kind(torch.device("cpu"), torch.bfloat16) == "dense"
+
+
+@pytest.fixture(scope="module")
+def grouped_repository(drafting_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    needs_grouped_mm(torch.float32)
+    repo = tmp_path_factory.mktemp("grouped_repository")
+    write_repository(drafting_checkpoint, repo, fmt="eager", eager_compile=False, max_slots=4, max_draft_tokens=4,
+                     hops="local", moe="grouped", progress=False, log=lambda line: None)
+    return repo
+
+
+def test_the_export_records_the_grouped_kind(grouped_repository):
+    assert json.loads((grouped_repository / "export.json").read_text())["moe"] == "grouped"
+    reference = json.loads((grouped_repository / "spec_decode" / "1" / "target" / "target.json").read_text())
+    assert reference["moe"] == "grouped"
+
+
+def test_served_grouped_experts_decode_the_dense_experts_tokens(triton_server_for, grouped_repository,
+                                                               spec_decode_repository):
+    grouped = Client(triton_server_for(grouped_repository).grpc_url, timeout=120)
+    dense = Client(triton_server_for(spec_decode_repository).grpc_url, timeout=120)
+    gen = torch.Generator().manual_seed(3)
+    for k in range(4):
+        for n in torch.randint(1, 12, (3,), generator=gen).tolist():
+            prompt = torch.randint(2, VOCAB, (n,), generator=gen).tolist()
+            ours = grouped.generate(input_ids=prompt, max_tokens=16, num_draft_tokens=k, return_logprobs=True)
+            theirs = dense.generate(input_ids=prompt, max_tokens=16, num_draft_tokens=k, return_logprobs=True)
+            assert ours.ids == theirs.ids, f"k={k} prompt={prompt}"
+            assert ours.logprobs == pytest.approx(theirs.logprobs, abs=1e-4)
+
+
+def test_grouped_needs_the_eager_format(drafting_checkpoint, tmp_path):
+    with pytest.raises(ValueError, match="moe: grouped needs --format eager"):
+        write_repository(drafting_checkpoint, tmp_path, fmt="torchscript", moe="grouped", progress=False)
+    with pytest.raises(ValueError, match="moe: must be one of grouped, dense, got 'sparse'"):
+        write_repository(drafting_checkpoint, tmp_path, fmt="eager", moe="sparse", progress=False)
+    assert not (tmp_path / "target").exists()
+
+
+def test_eager_references_record_the_kind_and_disagreements_are_named(drafting_checkpoint, tmp_path):
+    _, target, _ = load_checkpoint(drafting_checkpoint, max_slots=1, max_seq_len=16, progress=False)
+    path = tmp_path / "target.json"
+    eager.save(target, (), (), path, checkpoint_dir=drafting_checkpoint, dtype="fp32", moe="grouped")
+    graph = eager.load([path], torch.device("cpu"), compile=False)[0]
+    assert all(layer.mlp.grouped for layer in graph.module.model.layers if isinstance(layer.mlp, MoE))
+    reference = json.loads(path.read_text())
+    unknown, other = tmp_path / "unknown.json", tmp_path / "other.json"
+    unknown.write_text(json.dumps({**reference, "moe": "sparse"}))
+    with pytest.raises(ValueError, match="key 'moe' must be one of grouped, dense, got 'sparse'"):
+        eager.load([unknown], torch.device("cpu"))
+    other.write_text(json.dumps({**reference, "moe": "dense", "max_slots": 2}))
+    with pytest.raises(ValueError, match="differs from .*target.json in max_slots, moe"):
+        eager.load([path, other], torch.device("cpu"))
