@@ -12,8 +12,9 @@ experts are the MoE's stacked `w13` / `w2`, export/moe.py):
   and values of 128 / 8 heads over 8 ranks (16 × (192 + 128) × 61 × 2).
 - Dense MLP and shared experts: `gate_proj` / `up_proj` column-parallel, `down_proj` row-parallel.
 - Routed experts: expert-parallel. Rank r keeps experts [r·E/W, (r+1)·E/W) (modules, or slices of
-  the stacked weights once grouped) and weighs them for every token; the gate stays replicated (it routes over all experts) and hands each rank its
-  columns. Routed and shared partial sums are added before the MoE's one all-reduce.
+  the stacked weights once grouped) and weighs them for every token; the gate stays replicated (it
+  routes over all experts) and hands each rank its columns. Routed and shared partial sums are
+  added before the MoE's one all-reduce.
 - `lm_head` (the MTP's `shared_head.head` is the same module): vocab-parallel rows, all-gathered
   along the vocabulary so every rank returns full logits. Embeddings stay replicated.
 
