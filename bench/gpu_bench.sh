@@ -24,8 +24,8 @@
 #               with and without speculation
 #   hf_generate bench/hf_generate.py: transformers generate(do_sample=False), the same checkpoint
 #   realistic   bench/realistic.py: the DeepSeek-V2-Lite-shaped decode step against its bandwidth floor, dense
-#               and grouped MoE (BENCH_REALISTIC_GRAPHS=reduce-overhead: steps compiled, then graphed), and the
-#               op table of one eager step: $OUT/realistic_profile.txt
+#               and grouped MoE (BENCH_REALISTIC_GRAPHS=reduce-overhead: steps compiled, then graphed;
+#               BENCH_REALISTIC_ARGS: more arguments), and the op table of one eager step: $OUT/realistic_profile.txt
 #   standalone_compiled  the standalone loop under torch.compile(mode="reduce-overhead"), with the time left
 # Every stage is cut to what BENCH_DEADLINE_S (default 540) leaves, and the report is rewritten after each.
 # then bench/report.py writes $OUT/results.json, results.md, sweep.png, acceptance.png (with matplotlib);
@@ -117,7 +117,7 @@ from triton_mtp.export.synthetic import write_checkpoint; write_checkpoint('$che
 else
     device=cuda dtype=bf16 graphs=cudagraph default_format=eager prompts=8 prompt_tokens=128 max_tokens=128 drafts=1,2,3,4
     streams=1,2,4,8,16,32,64 hf_prompts=4 warmup=1 limit=0 realistic_args=(--layers "${BENCH_REALISTIC_LAYERS:-27}" --context 512
-                                                   --graphs "${BENCH_REALISTIC_GRAPHS:-cudagraph}")
+                                                   --graphs "${BENCH_REALISTIC_GRAPHS:-cudagraph}" ${BENCH_REALISTIC_ARGS:-})
 fi
 checkpoint=${checkpoint:-$repo/models/tiny-dsv3-mtp}
 format=${BENCH_FORMAT:-$default_format}

@@ -124,8 +124,9 @@ def run(args: argparse.Namespace) -> dict:
               "params": sum(p.numel() for p in target.parameters()),
               "grouped_mm": grouped_mm_works(device, dtype), "moe": {}}
     variants = {"dense": bytes_touched(config, target, False), "selected": bytes_touched(config, target, True)}
-    if not result["grouped_mm"]:
-        print(f"realistic: grouped_mm does not run for {args.dtype} on {device}; timing the dense MoE only", flush=True)
+    variants = {name: variants[name] for name in args.variants.split(",")}
+    if "selected" in variants and not result["grouped_mm"]:
+        print(f"realistic: grouped_mm does not run for {args.dtype} on {device}; leaving out the grouped MoE", flush=True)
         del variants["selected"]
     for name, touched in variants.items():
         if name == "selected":
@@ -175,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experts", type=int, help="override n_routed_experts (smoke runs)")
     parser.add_argument("--vocab", type=int, help="override vocab_size (smoke runs)")
     parser.add_argument("--profile", metavar="FILE", help="write the op table of one eager step here")
+    parser.add_argument("--variants", default="dense,selected", choices=["dense,selected", "dense", "selected"],
+                        help="MoE variants to time: dense, selected (grouped), or both in that order")
     run(parser.parse_args(argv))
     return 0
 

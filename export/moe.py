@@ -50,22 +50,28 @@ class Gate(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x[N, H] -> dense routing weights [N, E] float32, zero for unselected experts."""
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x[N, H] -> (routing weights [N, K] float32, expert ids [N, K]) of each token's top-k experts."""
         N = x.shape[0]
         scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
         choice = scores + self.e_score_correction_bias.float()  # [N, E]
-        grouped = choice.view(N, self.n_group, self.num_experts // self.n_group)  # [N, G, E/G]
-        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
-        group_idx = group_scores.topk(self.topk_group, dim=-1).indices  # [N, topk_group]
-        group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1.0)  # [N, G]
-        expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(N, self.num_experts)  # [N, E]
-        choice = choice.masked_fill(expert_mask == 0, float("-inf"))  # [N, E]
+        if self.topk_group < self.n_group:  # keep the experts of the best topk_group groups
+            grouped = choice.view(N, self.n_group, self.num_experts // self.n_group)  # [N, G, E/G]
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
+            group_idx = group_scores.topk(self.topk_group, dim=-1).indices  # [N, topk_group]
+            group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1.0)  # [N, G]
+            expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(N, self.num_experts)  # [N, E]
+            choice = choice.masked_fill(expert_mask == 0, float("-inf"))  # [N, E]
         top_idx = choice.topk(self.top_k, dim=-1).indices  # [N, K]
         top_w = scores.gather(1, top_idx)  # [N, K]
         if self.norm_topk_prob:
             top_w = top_w / (top_w.sum(dim=-1, keepdim=True) + 1e-20)  # [N, K]
-        return torch.zeros_like(scores).scatter(1, top_idx, top_w * self.scaling)  # [N, E]
+        return top_w * self.scaling, top_idx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x[N, H] -> dense routing weights [N, E] float32, zero for unselected experts."""
+        top_w, top_idx = self.route(x)  # [N, K] each
+        return top_w.new_zeros(x.shape[0], self.num_experts).scatter(1, top_idx, top_w)  # [N, E]
 
 
 class MoE(nn.Module):
@@ -84,6 +90,7 @@ class MoE(nn.Module):
         )
         self.register_parameter("w13", None)  # [E, 2I, H] once grouped
         self.register_parameter("w2", None)  # [E, H, I] once grouped
+        self.first_expert = 0  # of the experts held here (expert parallelism: export/parallel.py)
 
     @property
     def grouped(self) -> bool:
@@ -103,21 +110,23 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [N, H]
-        weights = self.gate(flat)  # [N, E] (this rank's E under expert parallelism)
-        routed = self._grouped(flat, weights) if self.grouped else self._dense(flat, weights)  # [N, H] f32
+        routed = self._grouped(flat) if self.grouped else self._dense(flat)  # [N, H] f32
         out = routed.to(x.dtype).view(shape)  # [..., H]
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
-    def _dense(self, flat: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _dense(self, flat: torch.Tensor) -> torch.Tensor:
+        weights = self.gate(flat)  # [N, E] (the held experts' columns under expert parallelism)
         routed = torch.zeros_like(flat, dtype=torch.float32)  # [N, H]
         for e, expert in enumerate(self.experts):
             routed = routed + expert(flat).float() * weights[:, e : e + 1]  # [N, H]
         return routed
 
-    def _grouped(self, flat: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        N, E = weights.shape
-        K = min(self.gate.top_k, E)
-        top_w, top_idx = weights.topk(K, dim=-1)  # [N, K] each: the picks (chosen weights are > 0)
+    def _grouped(self, flat: torch.Tensor) -> torch.Tensor:
+        top_w, top_idx = self.gate.route(flat)  # [N, K] each
+        (N, K), E = top_idx.shape, self.w13.shape[0]
+        if E < self.gate.num_experts:  # expert parallel: picks of other ranks' experts weigh zero here
+            local = top_idx - self.first_expert  # [N, K]
+            top_w, top_idx = top_w * ((local >= 0) & (local < E)), local.clamp(0, E - 1)  # [N, K] each
         experts = top_idx.reshape(-1)  # [N*K]
         order = experts.argsort(stable=True)  # [N*K] (token, pick) pairs grouped by expert
         xs = flat.index_select(0, order // K)  # [N*K, H]

@@ -130,6 +130,7 @@ def _shard_mlp(mlp: MLP, rank: int, world_size: int) -> None:
 def _shard_moe(moe: MoE, rank: int, world_size: int) -> None:
     per_rank = moe.gate.num_experts // world_size
     first = rank * per_rank
+    moe.first_expert = first
     if moe.grouped:
         moe.w13 = nn.Parameter(moe.w13[first : first + per_rank].clone(), requires_grad=False)  # [E/W, 2I, H]
         moe.w2 = nn.Parameter(moe.w2[first : first + per_rank].clone(), requires_grad=False)  # [E/W, H, I]

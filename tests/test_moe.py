@@ -77,16 +77,19 @@ def test_experts_no_token_picked_are_never_read():
 
 
 @pytest.mark.parametrize("world_size", [2, 8])
-def test_expert_parallel_shards_of_the_grouped_moe_sum_to_the_whole(world_size):
+@pytest.mark.parametrize("grouped_first", [True, False])  # load_sharded shards the dense MoE, then groups
+def test_expert_parallel_shards_of_the_grouped_moe_sum_to_the_whole(world_size, grouped_first):
     needs_grouped_mm(torch.float32)
     moe = random_moe(torch.float32)
-    moe.group_experts()
     x = torch.randn(2, 4, 64)  # [B, T, H]
     whole = moe(x)  # [B, T, H]
+    if grouped_first:
+        moe.group_experts()
     parts = []
     for rank in range(world_size):
         shard = copy.deepcopy(moe)
         _shard_moe(shard, rank, world_size)
+        shard.group_experts()
         assert shard.w13.shape[0] == 8 // world_size
         parts.append(shard(x))  # [B, T, H] partial sum
     assert torch.allclose(torch.stack(parts).sum(0), whole, atol=1e-5, rtol=1e-5)
