@@ -11,6 +11,8 @@
 #   load_time   (on a GPU, only when BENCH_ONLY names it) bench/load_time.py: seconds to a ready server whose
 #               graphs capture compiled steps (--compile-graphs, local hops), with and without the compile
 #               cache the export ships: $OUT/load_time.json
+#   compile_parity  (on a GPU, only when BENCH_ONLY names it) bench/compile_parity.py: the export's parity
+#               check of torch.compile'd steps per dtype:moe (BENCH_COMPILE_PARITY_CASES): $OUT/compile_parity.json
 #   export      triton-mtp export of the checkpoint into a model repository (BENCH_FORMAT; on a GPU eager,
 #               whose decode calls the served models replay from CUDA graphs: --no-compile, or with
 #               BENCH_COMPILE=1 also --compile-graphs; on CPU torchscript)
@@ -177,6 +179,11 @@ if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" engine "* ]]; then  # on
                 --max-tokens "$max_tokens" --draft-tokens 0,3 "${moe_args[@]}" --out "$OUT/engine/graphs${compiled:+_compiled}_b$b.json"
         done
     done
+fi
+if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" compile_parity "* ]]; then  # on request: minutes of compiling
+    stage compile_parity "${BENCH_COMPILE_PARITY_S:-400}" python -m bench.compile_parity --checkpoint "$checkpoint" \
+        --device cuda --cases "${BENCH_COMPILE_PARITY_CASES:-bf16:dense,bf16:grouped,fp32:dense}" \
+        --verify-tokens $((max_draft + 1)) --out "$OUT/compile_parity.json"
 fi
 if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" load_time "* ]]; then  # on request: minutes of compiling
     stub_path_on
