@@ -58,8 +58,7 @@ def test_compiled_grouped_moe_runs_the_eager_kernels():
     compiled = torch.compile(moe, dynamic=True)
     for shape in [(2, 4), (1, 1), (3, 5)]:
         x = torch.randn(*shape, 64)  # [B, T, H]
-        eager = moe(x)  # [B, T, H]
-        assert (compiled(x) - eager).abs().max() <= 1e-5 * eager.abs().max()
+        assert torch.equal(compiled(x), moe(x))
 
 
 def test_grouping_stacks_the_experts_once():
