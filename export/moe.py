@@ -123,37 +123,21 @@ class MoE(nn.Module):
 
     def _grouped(self, flat: torch.Tensor) -> torch.Tensor:
         top_w, top_idx = self.gate.route(flat)  # [N, K] each
-        E = self.w13.shape[0]
+        (N, K), E = top_idx.shape, self.w13.shape[0]
         if E < self.gate.num_experts:  # expert parallel: picks of other ranks' experts weigh zero here
             local = top_idx - self.first_expert  # [N, K]
             top_w, top_idx = top_w * ((local >= 0) & (local < E)), local.clamp(0, E - 1)  # [N, K] each
-        return grouped_experts(flat, top_w, top_idx, self.w13, self.w2)
-
-
-# One opaque op to torch.compile: its graphs call these eager kernels rather than lowering them (on the
-# H200, torch 2.11's dynamic-shape compile of the same code missed the parity check by 0.2 relative).
-@torch.library.custom_op("triton_mtp::grouped_experts", mutates_args=())
-def grouped_experts(
-    flat: torch.Tensor, top_w: torch.Tensor, top_idx: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
-) -> torch.Tensor:
-    """Routed experts of the picks: flat[N, H], top_w / top_idx [N, K], w13[E, 2I, H], w2[E, H, I] -> [N, H] f32."""
-    (N, K), E = top_idx.shape, w13.shape[0]
-    experts = top_idx.reshape(-1)  # [N*K]
-    order = experts.argsort(stable=True)  # [N*K] (token, pick) pairs grouped by expert
-    xs = flat.index_select(0, order // K)  # [N*K, H]
-    counts = torch.zeros(E, dtype=torch.int32, device=flat.device).scatter_add_(
-        0, experts, torch.ones_like(experts, dtype=torch.int32))  # [E] pairs per expert
-    offs = counts.cumsum(0, dtype=torch.int32)  # [E] end of each expert's rows
-    gate, up = F.grouped_mm(xs, w13.transpose(-2, -1), offs=offs).chunk(2, dim=-1)  # [N*K, I] each
-    ys = F.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)  # [N*K, H]
-    weighted = ys.float() * top_w.reshape(-1).index_select(0, order).unsqueeze(-1)  # [N*K, H]
-    # Back to (token, pick) order and a sum over the picks: deterministic, unlike atomic index_add.
-    return torch.empty_like(weighted).index_copy_(0, order, weighted).view(N, K, -1).sum(1)  # [N, H]
-
-
-@grouped_experts.register_fake
-def _(flat: torch.Tensor, top_w: torch.Tensor, top_idx: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    return flat.new_empty(flat.shape, dtype=torch.float32)  # [N, H]
+        experts = top_idx.reshape(-1)  # [N*K]
+        order = experts.argsort(stable=True)  # [N*K] (token, pick) pairs grouped by expert
+        xs = flat.index_select(0, order // K)  # [N*K, H]
+        counts = torch.zeros(E, dtype=torch.int32, device=flat.device).scatter_add_(
+            0, experts, torch.ones_like(experts, dtype=torch.int32))  # [E] pairs per expert
+        offs = counts.cumsum(0, dtype=torch.int32)  # [E] end of each expert's rows
+        gate, up = F.grouped_mm(xs, self.w13.transpose(-2, -1), offs=offs).chunk(2, dim=-1)  # [N*K, I] each
+        ys = F.grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=offs)  # [N*K, H]
+        weighted = ys.float() * top_w.reshape(-1).index_select(0, order).unsqueeze(-1)  # [N*K, H]
+        # Back to (token, pick) order and a sum over the picks: deterministic, unlike atomic index_add.
+        return torch.empty_like(weighted).index_copy_(0, order, weighted).view(N, K, -1).sum(1)  # [N, H]
 
 
 def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
