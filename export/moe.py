@@ -10,7 +10,8 @@ The routed experts run one of two ways (`MOE_KINDS`):
   top-k picks sorted by expert. An expert no token picked is a group of zero rows and its weights
   are not read: a decode step reads K of E experts. The group offsets stay on the device (no host
   sync), so a step captures in a CUDA graph where grouped_mm runs natively (bf16 on CUDA sm90+). The
-  CPU build runs it for fp32 and bf16 too, but the default there stays dense. Under expert
+  CPU build runs it for fp32 and bf16 too, but the default there stays dense; torch.compile takes it in
+  bf16 only (its meta kernel checks the dtype), so compiled steps need bf16. Under expert
   parallelism a rank holds E/W experts and takes K picks among them, so picks with zero weight may
   read experts no token chose; the sum is the same.
 """

@@ -99,7 +99,8 @@ def write_repository(
     if tensor_parallel > 1 and fmt != "eager":
         raise ValueError(f"--tensor-parallel {tensor_parallel}: needs --format eager (shards are cut at load), got {fmt}")
     check_tensor_parallel(ModelConfig.from_checkpoint(checkpoint_dir), tensor_parallel)
-    moe = _moe_kind(fmt, device, dtype, moe)
+    compiles = _compiles_at_load(fmt, device, cuda_graphs, compile_graphs, eager_compile, tensor_parallel)
+    moe = _moe_kind(fmt, device, dtype, moe, compiles)
     config, target, mtp = load_checkpoint(checkpoint_dir, dtype, device, max_slots, max_seq_len, progress=progress,
                                           moe=moe)
     max_seq_len = target.max_seq_len
@@ -125,7 +126,6 @@ def write_repository(
                 checkpoint_dir=checkpoint_dir, dtype=dtype, eager_compile=eager_compile, moe=moe,
                 on_saved=lambda name: bar.update(1),
             )
-        compiles = _compiles_at_load(fmt, device, cuda_graphs, compile_graphs, eager_compile, tensor_parallel)
         with compile_cache.filling(list(artifact_dirs)) if compiles else contextlib.nullcontext():
             parity = check_parity(target, mtp, artifacts, fmt, verify_tokens=max_draft_tokens + 1, log=log,
                                   compile=compiles if fmt == "eager" else None)
@@ -221,8 +221,8 @@ def _request_limits(max_seq_len: int, overrides: dict[str, int | float]) -> dict
     return limits
 
 
-def _moe_kind(fmt: str, device: str, dtype: str, moe: str | None) -> str:
-    """The MoE kind to export: `moe` checked against the format and device, or the default."""
+def _moe_kind(fmt: str, device: str, dtype: str, moe: str | None, compiles: bool) -> str:
+    """The MoE kind to export: `moe` checked against the format, device and compilation, or the default."""
     if moe is not None and moe not in MOE_KINDS:
         raise ValueError(f"moe: must be one of {', '.join(MOE_KINDS)}, got {moe!r}")
     if fmt != "eager":
@@ -234,6 +234,9 @@ def _moe_kind(fmt: str, device: str, dtype: str, moe: str | None) -> str:
     if moe == "grouped" and not grouped_mm_works(torch.device(device), DTYPES[dtype]):
         raise ValueError(f"moe: grouped needs torch.nn.functional.grouped_mm for {dtype} on {device} "
                          "(bf16 on CUDA sm90+); use --moe dense")
+    if moe == "grouped" and compiles and dtype != "bf16":
+        raise ValueError(f"moe: grouped steps compile only in bf16 (torch.compile's grouped_mm), got {dtype}; "
+                         "use --dtype bf16, --no-compile or --moe dense")
     return moe
 
 

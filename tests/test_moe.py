@@ -49,6 +49,19 @@ def test_grouped_moe_matches_the_dense_moe(dtype, tolerance, shape):
     assert (grouped.float() - dense.float()).abs().max() <= tolerance * dense.float().abs().max()
 
 
+def test_compiled_grouped_moe_matches_eager_in_bf16():
+    """torch.compile(dynamic=True), as the eager format's load applies it (grouped_mm compiles in bf16 only)."""
+    needs_grouped_mm(torch.bfloat16)
+    moe = random_moe(torch.bfloat16)
+    moe.group_experts()
+    moe.requires_grad_(False)
+    compiled = torch.compile(moe, dynamic=True)
+    for shape in [(2, 4), (1, 1), (3, 5)]:
+        x = torch.randn(*shape, 64, dtype=torch.bfloat16)  # [B, T, H]
+        eager = moe(x).float()  # [B, T, H]
+        assert (compiled(x).float() - eager).abs().max() <= 2e-2 * eager.abs().max()
+
+
 def test_grouping_stacks_the_experts_once():
     moe = random_moe(torch.float32)
     gate_0 = moe.experts[0].gate_proj.weight.clone()
@@ -133,6 +146,8 @@ def test_grouped_needs_the_eager_format(drafting_checkpoint, tmp_path):
         write_repository(drafting_checkpoint, tmp_path, fmt="torchscript", moe="grouped", progress=False)
     with pytest.raises(ValueError, match="moe: must be one of grouped, dense, got 'sparse'"):
         write_repository(drafting_checkpoint, tmp_path, fmt="eager", moe="sparse", progress=False)
+    with pytest.raises(ValueError, match="moe: grouped steps compile only in bf16 .*, got fp32"):
+        write_repository(drafting_checkpoint, tmp_path, fmt="eager", moe="grouped", progress=False)  # compiles on CPU
     assert not (tmp_path / "target").exists()
 
 
