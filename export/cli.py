@@ -58,6 +58,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--stream-interval", type=_at_least(1), default=1, metavar="N",
                         help="a streamed request gets a response once N of its tokens are unsent (its first at "
                         "once): fewer responses, each a round trip to the server, under load (default: 1, every step)")
+    parser.add_argument("--spec-disable-rows", type=_at_least(0), default=0, metavar="N",
+                        help="steps with more than N live sequences decode without drafts, where verifying drafts "
+                        "costs more than it saves (default: 0, always draft)")
     parser.add_argument("--tensor-parallel", type=_at_least(1), default=1, metavar="N",
                         help="eager format: shard the target and MTP over N ranks, one per GPU (default: 1)")
     parser.add_argument("--hops", choices=HOPS, default="bls",
@@ -80,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
             eager_compile=not args.no_compile, cuda_graphs=not args.no_cuda_graphs, compile_graphs=args.compile_graphs,
             response_threads=args.response_threads,
             stream_interval=args.stream_interval,
+            spec_disable_rows=args.spec_disable_rows,
             tensor_parallel=args.tensor_parallel,
             hops=args.hops,
             moe=args.moe,

@@ -64,6 +64,7 @@ def write_repository(
     compile_graphs: bool = False,
     response_threads: int = 0,
     stream_interval: int = 1,
+    spec_disable_rows: int = 0,
     tensor_parallel: int = 1,
     hops: str = "bls",
     moe: str | None = None,
@@ -78,7 +79,8 @@ def write_repository(
     tokens, max_tokens cap, request timeout). `cuda_graphs` lets the `target` and `mtp` models on CUDA
     replay decode-time calls from captured graphs (serving/graphs.py), captured over torch.compile'd steps
     with `compile_graphs`. `response_threads` > 0 makes `spec_decode` send streamed responses from that
-    many threads (serving/responses.py); `stream_interval` is the scheduler's (serving/scheduler.py).
+    many threads (serving/responses.py); `stream_interval` and `spec_disable_rows` are the scheduler's
+    (serving/scheduler.py).
     `tensor_parallel` > 1 (eager format) makes the `target`
     and `mtp` models shard over that many ranks at load (serving/parallel.py). Existing `target`,
     `mtp`, `spec_decode` folders in `repo_dir` are replaced. `hops` "local" makes `spec_decode` run the
@@ -94,6 +96,8 @@ def write_repository(
         raise FileNotFoundError(f"checkpoint: {checkpoint_dir} is not a directory")
     if hops not in HOPS:
         raise ValueError(f"hops: must be one of {', '.join(HOPS)}, got {hops!r}")
+    if spec_disable_rows < 0:
+        raise ValueError(f"spec_disable_rows: must be >= 0, got {spec_disable_rows}")
     if hops == "local" and tensor_parallel > 1:
         raise ValueError(f"--hops local: runs one rank in spec_decode's process, got --tensor-parallel {tensor_parallel}")
     if tensor_parallel > 1 and fmt != "eager":
@@ -154,6 +158,7 @@ def write_repository(
         "compile_graphs": "true" if compile_graphs else "false",
         "response_threads": response_threads,
         "stream_interval": stream_interval,
+        "spec_disable_rows": spec_disable_rows,
         **_request_limits(max_seq_len, request_limits or {}),
     }
     values["spec_decode_kind"] = values["kind"] if hops == "local" else "KIND_CPU"  # a BLS engine holds no weights

@@ -12,7 +12,10 @@ Every step serves all live sequences together:
    stream, and free the slots of finished sequences.
 
 Rejected drafts are never undone: the next step's window starts at the sequence's real length and
-writes over their cache positions. Plain decoding (k = 0) rows skip the mtp hop entirely.
+writes over their cache positions. Plain decoding (k = 0) rows skip the mtp hop entirely. With
+`spec_disable_rows`, a step with more live sequences skips drafting (vLLM's
+`speculative_disable_by_batch_size`): the pairs its rows accept wait, and the next step that drafts
+absorbs them all in its mtp hop, so the MTP layers' caches catch up.
 The loop is pb_utils-free: hops and response senders come in through small protocols.
 """
 from __future__ import annotations
@@ -113,16 +116,21 @@ class Scheduler:
     def __init__(self, hops: Hops, limits: EngineLimits, metrics: EngineMetrics | None = None,
                  tokenizer: Tokenizer | None = None, clock: Callable[[], float] = time.monotonic,
                  cancel_check_interval_s: float = 0.0, drain_responses: Callable[[], None] | None = None,
-                 stream_interval: int = 1) -> None:
+                 stream_interval: int = 1, spec_disable_rows: int = 0) -> None:
         """`cancel_check_interval_s`: how often live requests are asked whether they were cancelled (0:
         every step); in Triton each question is a round trip to the server. `drain_responses`: when the
         handles queue their sends (serving/responses.py), waits for the previous step's to go out; it is
         called after a step's hops, before the step hands over its own. `stream_interval`: a streamed
         request gets a response once this many of its tokens are unsent (1: every step); its first
         tokens go at once and the rest with the final response. Like SGLang's and vLLM's
-        `--stream-interval`, it trades inter-token smoothness for fewer responses, each a round trip."""
+        `--stream-interval`, it trades inter-token smoothness for fewer responses, each a round trip.
+        `spec_disable_rows` > 0: steps with more live sequences than this decode without drafts (0: never).
+        Where a batched step is bound by launches and per-row work rather than by weights, verifying
+        drafts costs more than they save (docs/benchmarks.md, runs 12-13)."""
         if stream_interval < 1:
             raise ValueError(f"stream_interval: must be >= 1, got {stream_interval}")
+        if spec_disable_rows < 0:
+            raise ValueError(f"spec_disable_rows: must be >= 0, got {spec_disable_rows}")
         self._hops = hops
         self._limits = limits
         self._tokenizer = tokenizer
@@ -130,6 +138,7 @@ class Scheduler:
         self._cancel_check_interval_s = cancel_check_interval_s
         self._drain_responses = drain_responses
         self._stream_interval = stream_interval
+        self._spec_disable_rows = spec_disable_rows
         self._cancel_checked_at = -float("inf")
         self.metrics = metrics or EngineMetrics(limits.max_draft_tokens)
         self.slots = SlotPool(limits.max_slots)
@@ -205,6 +214,8 @@ class Scheduler:
         live = list(self._live)
         if live:
             drafting = [s for s in live if s.prefilled and s.num_draft > 0]
+            if self._spec_disable_rows and len(live) > self._spec_disable_rows:
+                drafting = []  # their accepted pairs wait for the next step that drafts
             if drafting:
                 self._guarded(drafting, self._propose)
             self._guarded([s for s in live if s in self._live], self._verify)
@@ -295,6 +306,7 @@ class Scheduler:
         draft_ids = result.draft_ids.tolist()  # [B][K]
         for b, (s, k) in enumerate(zip(rows, wanted)):
             s.drafting = True
+            s.absorb_tokens, s.absorb_hidden = [], None  # absorbed
             s.drafts = draft_ids[b][:k]
             if result.draft_top_ids is not None:
                 s.draft_top_ids, s.draft_top_probs = result.draft_top_ids[b, :k], result.draft_top_probs[b, :k]
@@ -351,15 +363,20 @@ class Scheduler:
                 for position in range(num_accepted):
                     s.accepted_per_position[position] += 1
                 self.metrics.draft(k, num_accepted)
-            # MTP pairs (t_{i+1}, h_i) for i = start .. start + num_accepted.
-            s.absorb_tokens = new_ids
-            s.absorb_hidden = hidden[: num_accepted + 1]  # [a+1, H]
-            s.absorb_start = start
+            # MTP pairs (t_{i+1}, h_i) for i = start .. start + num_accepted, after any not yet absorbed.
+            if s.request.num_draft_tokens and s.absorb_tokens:
+                s.absorb_tokens = s.absorb_tokens + new_ids
+                s.absorb_hidden = torch.cat([s.absorb_hidden, hidden[: num_accepted + 1]])  # [n, H]
+            elif s.request.num_draft_tokens:
+                s.absorb_tokens = new_ids
+                s.absorb_hidden = hidden[: num_accepted + 1]  # [a+1, H]
+                s.absorb_start = start
         else:
             prompt = s.tokens
-            s.absorb_tokens = prompt[1:] + new_ids[:1]
-            s.absorb_hidden = hidden[: len(prompt)]  # [P, H]
-            s.absorb_start = 0
+            if s.request.num_draft_tokens:
+                s.absorb_tokens = prompt[1:] + new_ids[:1]
+                s.absorb_hidden = hidden[: len(prompt)]  # [P, H]
+                s.absorb_start = 0
             s.prefilled = True
         s.drafts, s.draft_top_ids, s.draft_top_probs = [], None, None
         self.metrics.emitted(self._emit(s, new_ids, new_logprobs))

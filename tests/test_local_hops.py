@@ -19,14 +19,17 @@ from triton_mtp.export.repository import write_repository
 
 VOCAB = 128
 STREAM_INTERVAL = 3
+SPEC_DISABLE_ROWS = 2
 
 
 @pytest.fixture(scope="module")
 def local_repository(drafting_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     repo = tmp_path_factory.mktemp("local_hops_repository")
     write_repository(drafting_checkpoint, repo, max_slots=4, max_draft_tokens=4, hops="local", response_threads=2,
-                     stream_interval=STREAM_INTERVAL, progress=False, log=lambda line: None)
-    return repo  # every test here also sends from response threads, a response per STREAM_INTERVAL tokens
+                     stream_interval=STREAM_INTERVAL, spec_disable_rows=SPEC_DISABLE_ROWS, progress=False,
+                     log=lambda line: None)
+    return repo  # every test here also sends from response threads, a response per STREAM_INTERVAL tokens, and
+    # drafts only in steps with at most SPEC_DISABLE_ROWS live requests
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +56,7 @@ def test_the_repository_holds_spec_decode_alone_with_the_artifacts_inside(local_
     assert re.search(r'key: "hops", value: \{ string_value: "local" \}', config)
     assert re.search(r'key: "response_threads", value: \{ string_value: "2" \}', config)
     assert re.search(r'key: "stream_interval", value: \{ string_value: "3" \}', config)
+    assert re.search(r'key: "spec_disable_rows", value: \{ string_value: "2" \}', config)
     assert "kind: KIND_CPU" in config
     manifest = json.loads((local_repository / "export.json").read_text())
     assert manifest["hops"] == "local"
@@ -81,11 +85,15 @@ def test_sampled_output_with_a_seed_equals_the_bls_engine(local, bls):
 
 
 def test_concurrent_streams_equal_the_same_requests_one_by_one(local):
-    requests = [dict(input_ids=p, max_tokens=20, num_draft_tokens=i % 5) for i, p in enumerate(prompts(8, seed=20))]
-    alone = [local.generate(**r).ids for r in requests]
+    """Together, most steps have more live requests than SPEC_DISABLE_ROWS and skip drafting: fewer drafts,
+    the same tokens."""
+    requests = [dict(input_ids=p, max_tokens=20, num_draft_tokens=1 + i % 4) for i, p in enumerate(prompts(8, seed=20))]
+    alone = [local.generate(**r) for r in requests]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        together = list(pool.map(lambda r: local.generate(**r).ids, requests))
-    assert together == alone
+        together = list(pool.map(lambda r: local.generate(**r), requests))
+    assert [r.ids for r in together] == [r.ids for r in alone]
+    drafted = [sum(r.acceptance.draft_tokens for r in results) for results in (together, alone)]
+    assert drafted[0] < drafted[1], drafted
 
 
 def test_streams_send_a_response_per_stream_interval_tokens_with_the_bls_engines_tokens(local, bls):

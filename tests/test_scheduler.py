@@ -65,12 +65,12 @@ def limits(**overrides) -> EngineLimits:
 
 
 def scheduler(models, clock=None, metrics=None, cancel_check_interval_s=0.0, drain_responses=None, stream_interval=1,
-              tokenizer=None, **overrides) -> Scheduler:
+              tokenizer=None, spec_disable_rows=0, **overrides) -> Scheduler:
     target, mtp = models
     hops = InProcessHops(TargetWorker(verify_window(target), MAX_SLOTS), DraftWorker(mtp, NUM_MTP_LAYERS, MAX_SLOTS))
     return Scheduler(hops, limits(**overrides), metrics, tokenizer, **({"clock": clock} if clock else {}),
                      cancel_check_interval_s=cancel_check_interval_s, drain_responses=drain_responses,
-                     stream_interval=stream_interval)
+                     stream_interval=stream_interval, spec_disable_rows=spec_disable_rows)
 
 
 def prompts(count: int, seed: int = 0) -> list[list[int]]:
@@ -101,18 +101,23 @@ def test_greedy_speculation_emits_exactly_the_plain_greedy_tokens(models):
         assert engine.slots.num_free == MAX_SLOTS
 
 
-def test_draft_distributions_equal_the_mtp_run_over_the_whole_sequence_in_an_empty_slot(models):
+@pytest.mark.parametrize("spec_disable_rows, max_tokens", [(0, (24, 24, 24)), (2, (6, 24, 24))])
+def test_draft_distributions_equal_the_mtp_run_over_the_whole_sequence_in_an_empty_slot(models, spec_disable_rows,
+                                                                                        max_tokens):
     """After steps that accepted some drafts and rejected others, the distributions of drafts 1-3
     (temperature, top-k) are what the MTP layers give from scratch: layer 0 over every (t_{i+1}, h_i) pair, then layer 1
     and layer 0 again over the pairs extended by the drafts and recycled hidden states. So every
-    layer's cache covers every position, and rejected positions were overwritten."""
+    layer's cache covers every position, and rejected positions were overwritten. With
+    `spec_disable_rows` 2, the three requests decode without drafts until the first finishes; the
+    first step that drafts again absorbs every pair accepted meanwhile."""
     target, mtp = models
-    engine = scheduler(models)
-    real_mtp, hops = engine._hops.mtp, []
+    engine = scheduler(models, spec_disable_rows=spec_disable_rows)
+    real_mtp, hops, first_absorbed = engine._hops.mtp, [], {}
 
     def recording(batch):
         result = real_mtp(batch)
         for b, slot in enumerate(batch.slot_ids.tolist()):  # slot i serves request i here
+            first_absorbed.setdefault(slot, int((batch.positions[b] >= 0).sum()))  # pairs of its first mtp hop
             n = int(batch.positions[b].max()) + 2  # sequence length when drafting
             k = int(batch.num_draft[b])
             q = torch.zeros(k, VOCAB).scatter_(1, result.draft_top_ids[b, :k], result.draft_top_probs[b, :k])  # [k, V]
@@ -121,8 +126,12 @@ def test_draft_distributions_equal_the_mtp_run_over_the_whole_sequence_in_an_emp
 
     engine._hops.mtp = recording
     batch = prompts(3, seed=8)
-    requests = [GenerationRequest(p, 24, temperature=1.5, top_k=3, seed=5, num_draft_tokens=3) for p in batch]
+    requests = [GenerationRequest(p, m, temperature=1.5, top_k=3, seed=5, num_draft_tokens=3)
+                for p, m in zip(batch, max_tokens)]
     handles = run(engine, requests)
+    if spec_disable_rows:  # the first request never drafted; the others' first hop caught up past the prompt
+        assert handles[0].final.total_draft_tokens == 0
+        assert all(first_absorbed[i] >= len(batch[i]) + 5 for i in (1, 2)), (first_absorbed, batch)
     sequences = [p + h.final.output_ids for p, h in zip(batch, handles)]
     accepted = sum(h.final.total_accepted_draft_tokens for h in handles)
     assert 0 < accepted < sum(h.final.total_draft_tokens for h in handles)
@@ -143,7 +152,23 @@ def test_draft_distributions_equal_the_mtp_run_over_the_whole_sequence_in_an_emp
                 torch.testing.assert_close(draft_probs[step], expected, atol=1e-5, rtol=1e-4)
                 hidden = torch.cat([hidden, out[:, -1:]], dim=1)  # [1, T+1, H]
             checked += 1
-    assert checked >= 9
+    assert checked >= (9 if not spec_disable_rows else 4)
+
+
+def test_steps_with_more_live_rows_than_spec_disable_rows_decode_without_drafts(models):
+    batch = prompts(6, seed=3)
+    plain = [h.final.output_ids for h in run(scheduler(models), [GenerationRequest(p, 21) for p in batch])]
+    engine = scheduler(models, spec_disable_rows=2)
+    drafting_rows = []
+    real_mtp = engine._hops.mtp
+    engine._hops.mtp = lambda b: (drafting_rows.append((len(engine._live), b.slot_ids.numel())), real_mtp(b))[1]
+    handles = run(engine, [GenerationRequest(p, 6 + 3 * i, num_draft_tokens=2) for i, p in enumerate(batch)])
+    assert [h.final.output_ids for h in handles] == [out[: 6 + 3 * i] for i, out in enumerate(plain)]
+    assert drafting_rows and all(live <= 2 for live, _ in drafting_rows)
+    assert handles[-1].final.total_accepted_draft_tokens > 0  # drafting resumed once few rows were left
+    assert engine.slots.num_free == MAX_SLOTS
+    with pytest.raises(ValueError, match="spec_disable_rows: must be >= 0, got -1"):
+        scheduler(models, spec_disable_rows=-1)
 
 
 def test_accepting_drafts_saves_hops(models):

@@ -21,7 +21,8 @@ class TritonPythonModel:
         self.scheduler = Scheduler(hops, self.limits, metrics, self.tokenizer,
                                    cancel_check_interval_s=triton_io.CANCEL_CHECK_INTERVAL_S,
                                    drain_responses=self.responses.drain if self.responses else None,
-                                   stream_interval=int_parameter(params, "stream_interval", 1, default=1))
+                                   stream_interval=int_parameter(params, "stream_interval", 1, default=1),
+                                   spec_disable_rows=int_parameter(params, "spec_disable_rows", 0, default=0))
         self.scheduler.start()
 
     def execute(self, requests):
