@@ -118,3 +118,5 @@ def test_local_hops_refuse_tensor_parallel(drafting_checkpoint, tmp_path):
         write_repository(drafting_checkpoint, tmp_path, fmt="eager", hops="local", tensor_parallel=2, progress=False)
     with pytest.raises(ValueError, match="hops: must be one of bls, local"):
         write_repository(drafting_checkpoint, tmp_path, hops="inline", progress=False)
+    with pytest.raises(ValueError, match="spec_disable_rows: must be >= 0, got -1"):
+        write_repository(drafting_checkpoint, tmp_path, spec_disable_rows=-1, progress=False)
