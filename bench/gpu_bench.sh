@@ -41,7 +41,7 @@
 #
 # BENCH_SKIP="STAGE ...": leave those stages out (their results then come from an earlier run);
 # BENCH_ONLY="STAGE ...": run only those. BENCH_RESPONSE_THREADS=N exports with --response-threads N,
-# BENCH_STREAM_INTERVAL=N with --stream-interval N. BENCH_MOE=grouped|dense picks the routed experts' kind
+# BENCH_STREAM_INTERVAL=N with --stream-interval N, BENCH_SPEC_DISABLE_ROWS=N with --spec-disable-rows N. BENCH_MOE=grouped|dense picks the routed experts' kind
 # (export/moe.py) of the export, standalone and engine stages (default: the export's default).
 # BENCH_SMOKE=1: tiny sizes on CPU (fp32, eager, 2 prompts of 16 tokens, k=1,2, streams 1,2; a synthetic
 # checkpoint when none is given) so the whole script is known to run. BENCH_REPOSITORY=<dir> serves an
@@ -128,6 +128,7 @@ format_args=()
 [ "$format" = eager ] && [ "${BENCH_COMPILE:-0}" = 1 ] && format_args+=(--compile-graphs)  # ... or of compiled ones
 [ -n "${BENCH_RESPONSE_THREADS:-}" ] && format_args+=(--response-threads "$BENCH_RESPONSE_THREADS")
 [ -n "${BENCH_STREAM_INTERVAL:-}" ] && format_args+=(--stream-interval "$BENCH_STREAM_INTERVAL")
+[ -n "${BENCH_SPEC_DISABLE_ROWS:-}" ] && format_args+=(--spec-disable-rows "$BENCH_SPEC_DISABLE_ROWS")
 moe_args=()
 [ -n "${BENCH_MOE:-}" ] && moe_args=(--moe "$BENCH_MOE")
 format_args+=("${moe_args[@]}")
