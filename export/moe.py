@@ -131,6 +131,7 @@ class MoE(nn.Module):
         experts = top_idx.reshape(-1)  # [N*K]
         order = experts.argsort(stable=True)  # [N*K] (token, pick) pairs grouped by expert
         xs = flat.index_select(0, order // K)  # [N*K, H]
+        # bincount would size its output from experts.max() on the host: a sync that breaks graph capture.
         counts = torch.zeros(E, dtype=torch.int32, device=flat.device).scatter_add_(
             0, experts, torch.ones_like(experts, dtype=torch.int32))  # [E] pairs per expert
         offs = counts.cumsum(0, dtype=torch.int32)  # [E] end of each expert's rows

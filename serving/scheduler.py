@@ -68,7 +68,7 @@ class _Sequence:
     prefilled: bool = False
     drafting: bool = False  # the mtp has seen this sequence (its generator is seeded)
     absorb_tokens: list[int] = field(default_factory=list)  # t_{i+1} for the next mtp hop
-    absorb_hidden: torch.Tensor | None = None  # [n, H] target hidden h_i paired with them
+    absorb_hidden: list[torch.Tensor] = field(default_factory=list)  # [n_j, H] chunks: target hidden h_i paired with them
     absorb_start: int = 0  # position i of the first pair
     drafts: list[int] = field(default_factory=list)
     draft_top_ids: torch.Tensor | None = None  # [k, N] support of q (sampled drafts only)
@@ -84,6 +84,15 @@ class _Sequence:
     total_draft_tokens: int = 0
     total_accepted_draft_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+
+    def pend(self, tokens: list[int], hidden: torch.Tensor, start: int) -> None:
+        """Queue MTP pairs (t_{i+1}, h_i), i = start.., after those the mtp has not absorbed yet."""
+        if self.absorb_tokens:  # drafting was skipped: copy the waiting chunk off its step's whole result
+            self.absorb_hidden[-1] = self.absorb_hidden[-1].clone()
+        else:
+            self.absorb_start = start
+        self.absorb_tokens = self.absorb_tokens + tokens
+        self.absorb_hidden.append(hidden)
 
     @property
     def num_draft(self) -> int:
@@ -290,13 +299,13 @@ class Scheduler:
     def _propose(self, rows: list[_Sequence]) -> None:
         B = len(rows)
         T = max(len(s.absorb_tokens) for s in rows)
-        H = rows[0].absorb_hidden.shape[-1]
+        H = rows[0].absorb_hidden[0].shape[-1]
         token_ids = torch.tensor([_padded(s.absorb_tokens, T, 0) for s in rows], dtype=torch.int64)  # [B, T]
         positions = torch.tensor([_padded(range(s.absorb_start, s.absorb_start + len(s.absorb_tokens)), T, -1)
                                   for s in rows], dtype=torch.int64)  # [B, T]
         hidden = torch.zeros(B, T, H, dtype=torch.float32)  # [B, T, H]
         for b, s in enumerate(rows):
-            hidden[b, : len(s.absorb_tokens)] = s.absorb_hidden
+            hidden[b, : len(s.absorb_tokens)] = torch.cat(s.absorb_hidden)
         wanted = [s.num_draft for s in rows]
         num_draft = torch.tensor(wanted, dtype=torch.int64)  # [B]
         batch = DraftBatch(**_row_params(rows, [not s.drafting for s in rows]),
@@ -306,7 +315,7 @@ class Scheduler:
         draft_ids = result.draft_ids.tolist()  # [B][K]
         for b, (s, k) in enumerate(zip(rows, wanted)):
             s.drafting = True
-            s.absorb_tokens, s.absorb_hidden = [], None  # absorbed
+            s.absorb_tokens, s.absorb_hidden = [], []  # absorbed
             s.drafts = draft_ids[b][:k]
             if result.draft_top_ids is not None:
                 s.draft_top_ids, s.draft_top_probs = result.draft_top_ids[b, :k], result.draft_top_probs[b, :k]
@@ -363,21 +372,12 @@ class Scheduler:
                 for position in range(num_accepted):
                     s.accepted_per_position[position] += 1
                 self.metrics.draft(k, num_accepted)
-            # MTP pairs (t_{i+1}, h_i) for i = start .. start + num_accepted, after any not yet absorbed.
-            if s.request.num_draft_tokens and s.absorb_tokens:
-                s.absorb_tokens = s.absorb_tokens + new_ids
-                s.absorb_hidden = torch.cat([s.absorb_hidden, hidden[: num_accepted + 1]])  # [n, H]
-            elif s.request.num_draft_tokens:
-                s.absorb_tokens = new_ids
-                s.absorb_hidden = hidden[: num_accepted + 1]  # [a+1, H]
-                s.absorb_start = start
+            pairs = (new_ids, hidden[: num_accepted + 1], start)  # i = start .. start + num_accepted; [a+1, H]
         else:
-            prompt = s.tokens
-            if s.request.num_draft_tokens:
-                s.absorb_tokens = prompt[1:] + new_ids[:1]
-                s.absorb_hidden = hidden[: len(prompt)]  # [P, H]
-                s.absorb_start = 0
+            pairs = (s.tokens[1:] + new_ids[:1], hidden[: len(s.tokens)], 0)  # the shifted prompt; [P, H]
             s.prefilled = True
+        if s.request.num_draft_tokens:
+            s.pend(*pairs)
         s.drafts, s.draft_top_ids, s.draft_top_probs = [], None, None
         self.metrics.emitted(self._emit(s, new_ids, new_logprobs))
         if s.finish_reason:
