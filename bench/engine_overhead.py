@@ -27,6 +27,7 @@ import torch
 
 from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.export.formats import DTYPES
+from triton_mtp.export.formats.eager import compile_step
 from triton_mtp.export.moe import MOE_KINDS, default_moe_kind
 from triton_mtp.serving import graphs
 from triton_mtp.serving.requests import EngineLimits, GenerationRequest, TokenizerFile, default_limits
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> dict:
                           max_queue_size=len(prompts), **default_limits(max_seq_len))
     dtype, layers = target.lm_head.weight.dtype, config.num_nextn_predict_layers
     if args.compile:  # as the eager format loads its steps
-        target, mtp = torch.compile(target, dynamic=True), torch.compile(mtp, dynamic=True)
+        target, mtp = compile_step(target), compile_step(mtp)
     window, mtp_step = verify_window(target), mtp
     chain = functools.partial(draft_chain, mtp, layers)
     if args.graphs:  # as the served models wrap their steps

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from triton_mtp.export.formats.eager import COMPILE_OPTIONS
 from triton_mtp.serving.graphs import CapturedStep
 
 MODES = ("reduce-overhead", "cudagraph", "eager")
@@ -30,10 +31,12 @@ def place_rope(module: torch.nn.Module, device: torch.device) -> None:
 
 
 class CompiledStep:
-    """`torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False)`, one call per loop step."""
+    """`torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False)` with eager's rounding
+    (the served steps' COMPILE_OPTIONS), one call per loop step."""
 
     def __init__(self, step: Step) -> None:
-        self.step = torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+        options = {**torch._inductor.list_mode_options("reduce-overhead"), **COMPILE_OPTIONS}
+        self.step = torch.compile(step, fullgraph=True, dynamic=False, options=options)
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         torch.compiler.cudagraph_mark_step_begin()
