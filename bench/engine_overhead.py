@@ -80,12 +80,12 @@ def run(args: argparse.Namespace) -> dict:
                          DraftWorker(mtp_step, layers, len(prompts), device, dtype, greedy=timed_mtp))
     results = {"benchmark": "engine_overhead", "device": str(device), "dtype": args.dtype, "prompts": len(prompts),
                "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "graphs": args.graphs,
-               "compile": args.compile, "moe": moe,
+               "compile": args.compile, "moe": moe, "spec_disable_rows": args.spec_disable_rows,
                "environment": environment(), "runs": {}}
     handle = _Drop()
     for k in draft_counts:
         profiler = torch.profiler.profile() if args.profile and k == draft_counts[-1] else contextlib.nullcontext()
-        engine = Scheduler(hops, limits)
+        engine = Scheduler(hops, limits, spec_disable_rows=args.spec_disable_rows)
         for prompt in prompts:
             engine.submit(GenerationRequest(input_ids=prompt, max_tokens=args.max_tokens, num_draft_tokens=k), handle)
         timed_target.seconds = timed_mtp.seconds = 0.0
@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--moe", choices=MOE_KINDS, help="routed experts (export/moe.py; default as the eager export)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile(dynamic=True) the model steps, as the eager format loads them")
+    parser.add_argument("--spec-disable-rows", type=int, default=0,
+                        help="steps with more live rows decode without drafts (export --spec-disable-rows)")
     parser.add_argument("--profile", help="write the op table of the last k's run to this file")
     parser.add_argument("--out", help="result JSON file")
     args = parser.parse_args(argv)

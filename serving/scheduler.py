@@ -58,7 +58,20 @@ class _Waiting:
     deadline: float  # clock time after which it fails; inf = no limit
 
 
-@dataclass(eq=False)  # a sequence is itself: compared by identity
+class _StepHidden:
+    """One target hop's hidden states [B, T, H], which its rows pend slices of. They may be the hop's
+    output buffer (decode graphs replayed in this process), which the next target hop overwrites, so
+    a step that leaves a row's pairs waiting past its target hop calls `own()` first: one copy for all rows."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        self.hidden, self.owned = hidden, False
+
+    def own(self) -> None:
+        if not self.owned:
+            self.hidden, self.owned = self.hidden.clone(), True
+
+
+@dataclass(eq=False)  # a sequence is itself: compared (and hashed) by identity
 class _Sequence:
     request: GenerationRequest
     handle: ResponseHandle
@@ -68,7 +81,7 @@ class _Sequence:
     prefilled: bool = False
     drafting: bool = False  # the mtp has seen this sequence (its generator is seeded)
     absorb_tokens: list[int] = field(default_factory=list)  # t_{i+1} for the next mtp hop
-    absorb_hidden: list[torch.Tensor] = field(default_factory=list)  # [n_j, H] chunks: target hidden h_i paired with them
+    absorb_hidden: list[tuple[_StepHidden, int, int]] = field(default_factory=list)  # (hop, row, n): h_i paired with them
     absorb_start: int = 0  # position i of the first pair
     drafts: list[int] = field(default_factory=list)
     draft_top_ids: torch.Tensor | None = None  # [k, N] support of q (sampled drafts only)
@@ -85,14 +98,17 @@ class _Sequence:
     total_accepted_draft_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
 
-    def pend(self, tokens: list[int], hidden: torch.Tensor, start: int) -> None:
-        """Queue MTP pairs (t_{i+1}, h_i), i = start.., after those the mtp has not absorbed yet."""
-        if self.absorb_tokens:  # drafting was skipped: copy the waiting chunk off its step's whole result
-            self.absorb_hidden[-1] = self.absorb_hidden[-1].clone()
-        else:
+    def pend(self, tokens: list[int], hidden: tuple[_StepHidden, int, int], start: int) -> None:
+        """Queue MTP pairs (t_{i+1}, h_i), i = start.., after those the mtp has not absorbed yet; `hidden` is
+        (hop, row, n): h_i are the hop's hidden[row, :n]."""
+        if not self.absorb_tokens:
             self.absorb_start = start
         self.absorb_tokens = self.absorb_tokens + tokens
         self.absorb_hidden.append(hidden)
+
+    def absorbed_hidden(self) -> torch.Tensor:
+        """[n, H]: the hidden states of the pairs queued so far."""
+        return torch.cat([hop.hidden[row, :n] for hop, row, n in self.absorb_hidden])
 
     @property
     def num_draft(self) -> int:
@@ -157,6 +173,7 @@ class Scheduler:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._phases = {"mtp": 0.0, "target": 0.0, "respond": 0.0}
+        self._last_hidden: _StepHidden | None = None  # the latest target hop's, which rows may still pend
         self._publish()
 
     # ---- requests in -------------------------------------------------------------------------
@@ -225,6 +242,10 @@ class Scheduler:
             drafting = [s for s in live if s.prefilled and s.num_draft > 0]
             if self._spec_disable_rows and len(live) > self._spec_disable_rows:
                 drafting = []  # their accepted pairs wait for the next step that drafts
+            if self._last_hidden is not None:
+                drafts = set(drafting)
+                if any(s.absorb_tokens and s not in drafts for s in live):  # pairs that outlive this target hop
+                    self._last_hidden.own()
             if drafting:
                 self._guarded(drafting, self._propose)
             self._guarded([s for s in live if s in self._live], self._verify)
@@ -299,13 +320,13 @@ class Scheduler:
     def _propose(self, rows: list[_Sequence]) -> None:
         B = len(rows)
         T = max(len(s.absorb_tokens) for s in rows)
-        H = rows[0].absorb_hidden[0].shape[-1]
+        H = rows[0].absorb_hidden[0][0].hidden.shape[-1]
         token_ids = torch.tensor([_padded(s.absorb_tokens, T, 0) for s in rows], dtype=torch.int64)  # [B, T]
         positions = torch.tensor([_padded(range(s.absorb_start, s.absorb_start + len(s.absorb_tokens)), T, -1)
                                   for s in rows], dtype=torch.int64)  # [B, T]
         hidden = torch.zeros(B, T, H, dtype=torch.float32)  # [B, T, H]
         for b, s in enumerate(rows):
-            hidden[b, : len(s.absorb_tokens)] = torch.cat(s.absorb_hidden)
+            hidden[b, : len(s.absorb_tokens)] = s.absorbed_hidden()
         wanted = [s.num_draft for s in rows]
         num_draft = torch.tensor(wanted, dtype=torch.int64)  # [B]
         batch = DraftBatch(**_row_params(rows, [not s.drafting for s in rows]),
@@ -353,15 +374,16 @@ class Scheduler:
             self._timed("respond", self._drain_responses)
         num_accepted, output_ids, logprobs = (result.num_accepted.tolist(), result.output_ids.tolist(),
                                               result.logprobs.tolist())  # [B], [B][K+1], [B][K+1]
+        self._last_hidden = hop = _StepHidden(result.hidden)  # [B, T, H]
         for b, s in enumerate(rows):
             try:
-                self._accept(s, num_accepted[b], output_ids[b], logprobs[b], result.hidden[b], starts[b])
+                self._accept(s, num_accepted[b], output_ids[b], logprobs[b], (hop, b), starts[b])
             except Exception as exc:  # noqa: BLE001 - this request alone fails
                 self._fail(s, f"spec_decode: {type(exc).__name__}: {exc}")
 
     def _accept(self, s: _Sequence, num_accepted: int, output_ids: list[int], logprobs: list[float],
-                hidden: torch.Tensor, start: int) -> None:
-        """Record one target result for one sequence; output_ids [K+1], logprobs [K+1], hidden [T, H]."""
+                hidden: tuple[_StepHidden, int], start: int) -> None:
+        """Record one target result for one sequence; output_ids [K+1], logprobs [K+1], hidden (hop, its row)."""
         new_ids = output_ids[: num_accepted + 1]
         new_logprobs = logprobs[: num_accepted + 1]
         if s.prefilled:
@@ -372,9 +394,9 @@ class Scheduler:
                 for position in range(num_accepted):
                     s.accepted_per_position[position] += 1
                 self.metrics.draft(k, num_accepted)
-            pairs = (new_ids, hidden[: num_accepted + 1], start)  # i = start .. start + num_accepted; [a+1, H]
+            pairs = (new_ids, (*hidden, num_accepted + 1), start)  # i = start .. start + num_accepted
         else:
-            pairs = (s.tokens[1:] + new_ids[:1], hidden[: len(s.tokens)], 0)  # the shifted prompt; [P, H]
+            pairs = (s.tokens[1:] + new_ids[:1], (*hidden, len(s.tokens)), 0)  # the shifted prompt
             s.prefilled = True
         if s.request.num_draft_tokens:
             s.pend(*pairs)

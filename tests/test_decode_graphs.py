@@ -161,13 +161,28 @@ class BufferedReplay(EagerReplay):
         return self.outputs
 
 
-@pytest.mark.parametrize("num_draft_tokens, temperature", [(0, 0.0), (1, 0.0), (3, 0.0), (2, 0.8)])
-def test_the_engine_over_graphed_workers_emits_what_it_emits_eager(drafting_checkpoint, num_draft_tokens, temperature):
-    """Tokens and logprobs of the scheduler over graphed workers (outputs in replay-owned buffers) equal the
-    eager workers', greedy and seeded sampling, for rows joining, drafting and finishing at different
-    steps (prefill batches run eager, the rest replay)."""
+class _RecordedDrafts:
+    """A hops object's mtp call that keeps what each call absorbed (tokens, hidden states) and drafted."""
+
+    def __init__(self, mtp) -> None:
+        self.mtp, self.calls = mtp, []
+
+    def __call__(self, batch):
+        result = self.mtp(batch)
+        self.calls.append((batch.token_ids.tolist(), batch.hidden.clone(), result.draft_ids.tolist()))
+        return result
+
+
+@pytest.mark.parametrize("num_draft_tokens, temperature, spec_disable_rows",
+                         [(0, 0.0, 0), (1, 0.0, 0), (3, 0.0, 0), (2, 0.8, 0), (3, 0.0, 2), (2, 0.8, 2)])
+def test_the_engine_over_graphed_workers_emits_what_it_emits_eager(drafting_checkpoint, num_draft_tokens, temperature,
+                                                                    spec_disable_rows):
+    """Tokens, logprobs and drafts of the scheduler over graphed workers (outputs in replay-owned buffers)
+    equal the eager workers', greedy and seeded sampling, for rows joining, drafting and finishing at
+    different steps (prefill batches run eager, the rest replay). With `spec_disable_rows` 2, the target
+    hidden states that wait through steps without drafts outlive the replays that made them."""
     slots, max_draft = 4, 3
-    outputs = []
+    outputs, drafts = [], []
     for graphed in (False, True):
         config, target, mtp = load_checkpoint(drafting_checkpoint, max_slots=slots, max_seq_len=MAX_SEQ_LEN,
                                               progress=False)
@@ -181,7 +196,8 @@ def test_the_engine_over_graphed_workers_emits_what_it_emits_eager(drafting_chec
         limits = EngineLimits(max_slots=slots, max_seq_len=MAX_SEQ_LEN, vocab_size=config.vocab_size,
                               max_draft_tokens=max_draft, default_num_draft_tokens=0, eos_token_id=-1,
                               max_queue_size=8, **default_limits(MAX_SEQ_LEN))
-        engine = Scheduler(hops, limits)
+        engine = Scheduler(hops, limits, spec_disable_rows=spec_disable_rows)
+        hops.mtp = _RecordedDrafts(hops.mtp)
         handles = [_Collect() for _ in range(6)]
         gen = torch.Generator().manual_seed(4)
         for n, handle in enumerate(handles):
@@ -190,6 +206,11 @@ def test_the_engine_over_graphed_workers_emits_what_it_emits_eager(drafting_chec
                                             temperature=temperature, seed=7 + n, return_logprobs=True), handle)
         engine.run_until_idle()
         outputs.append([(h.response.output_ids, h.response.logprobs) for h in handles])
+        drafts.append(hops.mtp.calls)
+    assert len(drafts[1]) == len(drafts[0])
+    for (graphed_ids, graphed_hidden, graphed_drafts), (eager_ids, eager_hidden, eager_drafts) in zip(*drafts):
+        assert (graphed_ids, graphed_drafts) == (eager_ids, eager_drafts)
+        torch.testing.assert_close(graphed_hidden, eager_hidden)
     for (eager_ids, eager_logprobs), (graphed_ids, graphed_logprobs) in zip(*outputs):
         assert graphed_ids == eager_ids
         assert graphed_logprobs == pytest.approx(eager_logprobs, abs=1e-5)
