@@ -8,6 +8,9 @@ verify window max_draft_tokens + 1 for `target`; max_draft_tokens + num_mtp_laye
 padded to (bucket(B), W) and replayed from a graph captured at load; larger calls (prompt prefill)
 run eager. Padding is harmless: padded tokens carry position -1, which
 writes the pool's scratch position and is never attended (export/mla.py), and padded rows use slot 0.
+It is not free: padded tokens run through every layer, and in a MoE they route to experts whose
+weights the step then reads. So `target` also has a one-token family, which plain decoding (and
+steps that skip drafting) replays instead of a W-token window, as the standalone loop does.
 
 A graph holds as much of a worker's call as is a function of tensors, not just the model: `target`'s
 holds greedy verification (`workers.verify_window`), and argmax drafting is one graph per draft count
@@ -18,7 +21,8 @@ graphs.
 Graphs of one worker share one memory pool for their intermediates (captured largest first): they
 never run at once, and callers read the outputs before the next replay. Each bucket keeps its own
 static inputs and outputs, about 4 · b · W · (V + H) bytes per bucket b: for a 129k vocabulary, 64
-slots and W = 5, about 350 MB for the target's buckets together.
+slots and W = 5, about 350 MB for the target's buckets together, and a fifth of that again for its
+one-token family.
 """
 from __future__ import annotations
 
@@ -118,7 +122,7 @@ class _GraphedStep:
             self.pool = pool  # another wrapper of the same worker may capture into it
             for key in keys:
                 for b in reversed(self.buckets):  # largest first: later captures reuse the pool's blocks
-                    self.graphs[key, b] = graph(self._bound(key), self._example(b), pool=pool)
+                    self.graphs[key, b] = graph(self._bound(key), self._example(b, key), pool=pool)
 
     def on_device(self) -> contextlib.AbstractContextManager:
         """Make `device` the current CUDA device: streams, captures and replays use the current one, which
@@ -127,6 +131,14 @@ class _GraphedStep:
 
     def _bound(self, key: int | None) -> Step:
         raise NotImplementedError
+
+    def widths(self) -> list[int]:
+        """The token widths its graphs take."""
+        return sorted({self._width(key) for key, _ in self.graphs})
+
+    def _width(self, key: int | None) -> int:
+        """Tokens of the graphs of family `key`."""
+        return self.width
 
     def _checked(self, key: int | None, inputs: list[torch.Tensor]) -> None:
         """Set what the check needs beyond token ids 1 and random hidden states (in place)."""
@@ -143,7 +155,7 @@ class _GraphedStep:
         generator = torch.Generator(device=self.device).manual_seed(0)
         with self.on_device():
             for (key, b), replay in self.graphs.items():
-                inputs = self._example(b)
+                inputs = self._example(b, key)
                 inputs[0].fill_(1)
                 for spec, x in zip(self.inputs, inputs):
                     if spec.dtype is None:
@@ -164,11 +176,11 @@ class _GraphedStep:
     def name(self, key: int | None = None) -> str:
         raise NotImplementedError
 
-    def _example(self, b: int) -> list[torch.Tensor]:
-        """Inputs of bucket b: every token padding (position -1), as a padded call sends them."""
+    def _example(self, b: int, key: int | None) -> list[torch.Tensor]:
+        """Inputs of family `key`, bucket b: every token padding (position -1), as a padded call sends them."""
         examples = []
         for spec in self.inputs:
-            shape = (b, self.width) if spec.per_token else (b,)
+            shape = (b, self._width(key)) if spec.per_token else (b,)
             if spec.dtype is None:
                 size, dtype = self.hidden
                 examples.append(torch.zeros(*shape, size, dtype=dtype, device=self.device))
@@ -181,8 +193,8 @@ class _GraphedStep:
         return 0 < B <= self.buckets[-1] and T <= self.width
 
     def _replay(self, key: int | None, given: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """Pad to the smallest bucket >= B and width W and replay: the graph's own output buffers, whose
-        first B rows are the call's."""
+        """Pad to the smallest bucket >= B and the family's width and replay: the graph's own output
+        buffers, whose first B rows are the call's."""
         B, T = given[0].shape
         graph = self.graphs[key, next(size for size in self.buckets if size >= B)]
         for spec, static, x in zip(self.inputs, graph.inputs, given):
@@ -208,7 +220,8 @@ def mtp_width(max_draft_tokens: int, num_layers: int) -> int:
 
 
 class GraphedTarget(_GraphedStep):
-    """A `workers.verify_window` step with graphs for B <= max_batch rows of T <= width tokens.
+    """A `workers.verify_window` step with graphs for B <= max_batch rows of one token or of T <= width
+    tokens; the family key is its width.
 
     A graph holds the target call and greedy verification (window width - 1 drafts, wider than a call's
     K is harmless: `verify_window`), so a greedy decode step launches one graph. The outputs are the
@@ -219,17 +232,20 @@ class GraphedTarget(_GraphedStep):
 
     def __init__(self, window: Step, max_batch: int, width: int, device: torch.device,
                  graph: Callable[..., Step] = CapturedStep) -> None:
-        super().__init__(window, max_batch, width, device, [None], None, graph)
+        super().__init__(window, max_batch, width, device, sorted({1, width}), None, graph)
+
+    def _width(self, key: int | None) -> int:
+        return key
 
     def _bound(self, key: int | None) -> Step:
         return lambda token_ids, positions, slot_ids, num_draft: self.step(token_ids, positions, slot_ids, num_draft,
-                                                                           self.width - 1)
+                                                                           key - 1)
 
     def _checked(self, key: int | None, inputs: list[torch.Tensor]) -> None:
-        inputs[-1].fill_(self.width - 1)  # every row "verifies" a full window of drafts
+        inputs[-1].fill_(key - 1)  # every row "verifies" a full window of drafts
 
     def name(self, key: int | None = None) -> str:
-        return "target"
+        return "target" if key is None else f"the {key}-token target"
 
     def __call__(self, token_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
                  num_draft: torch.Tensor, K: int, greedy: bool = True) -> tuple[torch.Tensor, ...]:
@@ -238,7 +254,7 @@ class GraphedTarget(_GraphedStep):
             return self.step(token_ids, positions, slot_ids, num_draft, K, greedy)
         B, T = token_ids.shape
         window_logits, draft_ids, num_accepted, output_ids, logprobs, hidden = self._replay(
-            None, (token_ids, positions, slot_ids, num_draft))
+            1 if T == 1 else self.width, (token_ids, positions, slot_ids, num_draft))
         return (window_logits[:B, : K + 1], draft_ids[:B, :K], num_accepted[:B], output_ids[:B, : K + 1],
                 logprobs[:B, : K + 1], hidden[:B, :T])
 
@@ -332,7 +348,8 @@ def with_decode_graphs(build: Callable[[], _GraphedStep], step: Step, log: Calla
     except Exception as exc:  # noqa: BLE001 - eager is always a correct fallback
         log(f"CUDA graphs off, running eager: {type(exc).__name__}: {exc}")
         return step
-    log(f"CUDA graphs of {graphed.name()} captured for batch sizes {graphed.buckets} x {graphed.width} tokens")
+    widths = " and ".join(str(w) for w in graphed.widths())
+    log(f"CUDA graphs of {graphed.name()} captured for batch sizes {graphed.buckets} x {widths} tokens")
     return graphed
 
 

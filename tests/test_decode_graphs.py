@@ -49,10 +49,17 @@ def _window(rows: list[tuple], vocab: int, gen: torch.Generator):
     return inputs
 
 
+class _CountedReplay(EagerReplay):
+    def replay(self) -> tuple[torch.Tensor, ...]:
+        self.replays = getattr(self, "replays", 0) + 1
+        return super().replay()
+
+
 def test_graphed_target_equals_the_window_step_through_prefill_decode_and_rollback(twins):
+    """One-token calls (plain decoding) replay the one-token family, wider ones the window's."""
     (config, plain, _), (_, wrapped, _) = twins
-    graphed = GraphedTarget(verify_window(wrapped), MAX_SLOTS, WIDTH, torch.device("cpu"), graph=EagerReplay)
-    assert sorted(graphed.graphs) == [(None, b) for b in (1, 2, 4, 6)]
+    graphed = GraphedTarget(verify_window(wrapped), MAX_SLOTS, WIDTH, torch.device("cpu"), graph=_CountedReplay)
+    assert sorted(graphed.graphs) == [(w, b) for w in (1, WIDTH) for b in (1, 2, 4, 6)]
     gen = torch.Generator().manual_seed(0)
     calls = [
         [(0, 0, 9, 0), (3, 0, 5, 0)],  # prefill: wider than the window, eager
@@ -60,6 +67,7 @@ def test_graphed_target_equals_the_window_step_through_prefill_decode_and_rollba
         [(0, 10, 4, 3), (3, 7, 2, 1), (5, 0, 3, 0)],  # 3 rows padded to bucket 4; slot 3 rolls back to 7
         [(1, 0, 2, 1)],  # bucket 1
         [(s, 12, 1, 0) for s in range(MAX_SLOTS)],  # every slot: the largest bucket, plain decoding
+        [(2, 13, 1, 0), (4, 13, 1, 0), (5, 13, 1, 0)],  # plain decoding padded to bucket 4
     ]
     for rows in calls:
         inputs = _window(rows, config.vocab_size, gen)
@@ -71,6 +79,9 @@ def test_graphed_target_equals_the_window_step_through_prefill_decode_and_rollba
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
     live = plain.kv_cache[:, :, :-1]  # the scratch position differs: padding writes it
     torch.testing.assert_close(wrapped.kv_cache[:, :, :-1], live, rtol=0, atol=1e-5)
+    replays = {key: getattr(g, "replays", 0) for key, g in graphed.graphs.items()}
+    assert replays == {**{key: 0 for key in graphed.graphs}, (WIDTH, 2): 1, (WIDTH, 4): 1, (WIDTH, 1): 1,
+                       (1, 6): 1, (1, 4): 1}
 
 
 def test_graphed_draft_chain_equals_the_chain_for_every_draft_count(twins):
@@ -275,11 +286,12 @@ def test_a_graph_that_disagrees_with_eager_falls_back_to_the_step(twins):
     step = with_decode_graphs(lambda: GraphedTarget(window, 2, WIDTH, torch.device("cpu"), graph=Broken),
                               window, lines.append)
     assert step is window
-    assert lines and lines[0].startswith("CUDA graphs off, running eager: RuntimeError: CUDA graph of target (batch 2) differs")
+    assert lines and lines[0].startswith(
+        "CUDA graphs off, running eager: RuntimeError: CUDA graph of the 1-token target (batch 2) differs")
     lines.clear()
     step = with_decode_graphs(lambda: GraphedTarget(window, 2, WIDTH, torch.device("cpu"), graph=EagerReplay),
                               window, lines.append)
-    assert isinstance(step, GraphedTarget) and lines == ["CUDA graphs of target captured for batch sizes [1, 2] x 4 tokens"]
+    assert isinstance(step, GraphedTarget) and lines == ["CUDA graphs of target captured for batch sizes [1, 2] x 1 and 4 tokens"]
 
 
 def test_graphs_are_wanted_on_cuda_for_capturable_formats_only_and_compiled_on_request():
