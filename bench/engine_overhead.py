@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--graphs", action="store_true", help="replay the model calls from decode graphs (CUDA)")
     parser.add_argument("--moe", choices=MOE_KINDS, help="routed experts (export/moe.py; default as the eager export)")
     parser.add_argument("--compile", action="store_true",
-                        help="torch.compile(dynamic=True) the model steps, as the eager format loads them")
+                        help="compile the model steps as the eager format loads them (export.formats.eager.compile_step)")
     parser.add_argument("--spec-disable-rows", type=int, default=0,
                         help="steps with more live rows decode without drafts (export --spec-disable-rows)")
     parser.add_argument("--profile", help="write the op table of the last k's run to this file")

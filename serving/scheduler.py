@@ -59,16 +59,24 @@ class _Waiting:
 
 
 class _StepHidden:
-    """One target hop's hidden states [B, T, H], which its rows pend slices of. They may be the hop's
-    output buffer (decode graphs replayed in this process), which the next target hop overwrites, so
-    a step that leaves a row's pairs waiting past its target hop calls `own()` first: one copy for all rows."""
+    """One target hop's hidden states [B, T, H], which its rows pend slices of (`rows` maps a hop row to
+    its row in `hidden`). The whole result is only needed until the next mtp hop absorbs the pairs; a
+    step that leaves pairs waiting past its own target hop calls `own()` first, which keeps a copy of
+    the waiting slices alone, in one gather, and lets the result go. The result may also be a buffer
+    that the next hop overwrites (the decode graphs' outputs where the hops do not copy them)."""
 
     def __init__(self, hidden: torch.Tensor) -> None:
-        self.hidden, self.owned = hidden, False
+        self.hidden, self.rows = hidden, None
 
-    def own(self) -> None:
-        if not self.owned:
-            self.hidden, self.owned = self.hidden.clone(), True
+    def row(self, row: int) -> torch.Tensor:
+        """[T, H]: the hop's hidden states of `row` (KeyError once owned without it)."""
+        return self.hidden[row if self.rows is None else self.rows[row]]
+
+    def own(self, rows: list[int], width: int) -> None:
+        """Keep hidden[rows, :width] only (hop rows in ascending order)."""
+        if self.rows is None:
+            index = torch.tensor(rows, device=self.hidden.device)  # [R]
+            self.hidden, self.rows = self.hidden[:, :width].index_select(0, index), {r: i for i, r in enumerate(rows)}
 
 
 @dataclass(eq=False)  # a sequence is itself: compared (and hashed) by identity
@@ -108,7 +116,7 @@ class _Sequence:
 
     def absorbed_hidden(self) -> torch.Tensor:
         """[n, H]: the hidden states of the pairs queued so far."""
-        return torch.cat([hop.hidden[row, :n] for hop, row, n in self.absorb_hidden])
+        return torch.cat([hop.row(row)[:n] for hop, row, n in self.absorb_hidden])
 
     @property
     def num_draft(self) -> int:
@@ -242,15 +250,24 @@ class Scheduler:
             drafting = [s for s in live if s.prefilled and s.num_draft > 0]
             if self._spec_disable_rows and len(live) > self._spec_disable_rows:
                 drafting = []  # their accepted pairs wait for the next step that drafts
-            if self._last_hidden is not None:
-                drafts = set(drafting)
-                if any(s.absorb_tokens and s not in drafts for s in live):  # pairs that outlive this target hop
-                    self._last_hidden.own()
+            self._keep_waiting_pairs(live, drafting)
             if drafting:
                 self._guarded(drafting, self._propose)
             self._guarded([s for s in live if s in self._live], self._verify)
             self.metrics.step({**self._phases, "engine": time.perf_counter() - start - sum(self._phases.values())})
         self._publish()
+
+    def _keep_waiting_pairs(self, live: list[_Sequence], drafting: list[_Sequence]) -> None:
+        """Before this step's target hop: when a row that will draft again does not draft now, keep the
+        previous hop's hidden states its pairs (and the drafting rows' pairs) need. Older hops are
+        already kept, or fully absorbed by now."""
+        hop, self._last_hidden = self._last_hidden, None
+        drafts = set(drafting)
+        if hop is None or not any(s.absorb_tokens and s.num_draft > 0 and s not in drafts for s in live):
+            return
+        needed = {row: n for s in live if s.num_draft > 0 for h, row, n in s.absorb_hidden if h is hop}
+        if needed:
+            hop.own(sorted(needed), max(needed.values()))
 
     def _timed(self, phase: str, call, *args):
         start = time.perf_counter()
@@ -320,7 +337,7 @@ class Scheduler:
     def _propose(self, rows: list[_Sequence]) -> None:
         B = len(rows)
         T = max(len(s.absorb_tokens) for s in rows)
-        H = rows[0].absorb_hidden[0][0].hidden.shape[-1]
+        H = rows[0].absorb_hidden[0][0].hidden.shape[-1]  # [.., T, H] whether owned or not
         token_ids = torch.tensor([_padded(s.absorb_tokens, T, 0) for s in rows], dtype=torch.int64)  # [B, T]
         positions = torch.tensor([_padded(range(s.absorb_start, s.absorb_start + len(s.absorb_tokens)), T, -1)
                                   for s in rows], dtype=torch.int64)  # [B, T]

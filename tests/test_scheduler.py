@@ -170,6 +170,31 @@ def test_steps_with_more_live_rows_than_spec_disable_rows_decode_without_drafts(
         scheduler(models, spec_disable_rows=-1)
 
 
+def test_pairs_waiting_through_steps_without_drafts_keep_only_their_rows_hidden_states(models):
+    """While drafting is off, a target hop's result is let go once the step after it starts: what waits
+    is a copy of the rows that will draft again, as wide as their longest wait, not the padded batch."""
+    batch = prompts(6, seed=3)
+    engine = scheduler(models, spec_disable_rows=2)
+    handles = [Collect() for _ in batch]
+    for i, (p, handle) in enumerate(zip(batch, handles)):  # two plain rows share every target hop
+        engine.submit(GenerationRequest(p, 6 + 3 * i, num_draft_tokens=2 if i % 3 else 0), handle)
+    kept = 0
+    while not engine.idle:
+        waiting = {}  # hop -> its (row, n) that rows which will draft again wait on, as the step starts
+        for s in engine._live:
+            for hop, row, n in s.absorb_hidden:
+                if hop.rows is None and s.num_draft > 0:
+                    waiting.setdefault(hop, []).append((row, n))
+        engine.step()
+        for hop, rows in waiting.items():
+            if hop.rows is not None:  # kept in this step
+                kept += 1
+                assert sorted(hop.rows) == sorted(row for row, _ in rows)
+                assert hop.hidden.shape[:2] == (len(rows), max(n for _, n in rows))
+    assert kept > 0
+    assert all(h.final.output_ids for h in handles)
+
+
 def test_accepting_drafts_saves_hops(models):
     batch = prompts(4, seed=1)
     plain, spec = scheduler(models), scheduler(models)
