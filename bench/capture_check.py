@@ -4,7 +4,9 @@ For each repository (format and sizes from its export manifest) and each of `tar
 the batch-1 decode call once under `torch.cuda.set_sync_debug_mode("error")` (an op that synchronizes
 with the host, which no capture can hold, raises there, named), build `GraphedTarget` / `GraphedMTP`
 as the served models do, check every graph against eager, and time the batch-1 call graphed (for
-`target`, with greedy verification) and eager.
+`target`, with greedy verification) and eager. For `target` also the same one-token call padded by a
+second, padding token, which replays the verify window's graph instead of the one-token graph that
+plain decoding replays.
 Each repository runs in a fresh process: a failed capture can leave the CUDA context unusable.
 
     python -m bench.capture_check --repository DIR [--repository DIR ...] --out capture.json
@@ -59,6 +61,7 @@ def check(repository: Path, device: torch.device) -> dict:
     slot = torch.zeros(1, dtype=torch.long, device=device)  # [1]
     _, hidden = target(one, -one, slot)  # [1, 1, H]
     no_drafts = torch.zeros(1, dtype=torch.long, device=device)  # [1]
+    padded = torch.cat([one, one], 1), torch.cat([-one, -one], 1)  # [1, 2] each: the second token is padding
     builds = {
         "target": (target, [one, -one, slot],
                    lambda: graphs.target_graphs(target, max_slots, max_draft, device),
@@ -74,6 +77,8 @@ def check(repository: Path, device: torch.device) -> dict:
             graphed = build()
             graphed.check_against_eager()
             entry.update(captured=True, graphed_ms=step_time(graphed, graphed_inputs or inputs, device, REPEATS) * 1e3)
+            if name == "target" and max_draft:
+                entry["graphed_window_ms"] = step_time(graphed, [*padded, slot, no_drafts, 0], device, REPEATS) * 1e3
         except Exception as exc:  # noqa: BLE001 - the outcome is the measurement
             entry.update(captured=False, error=f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
         result[name] = entry

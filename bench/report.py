@@ -196,14 +196,15 @@ def markdown(results: dict[str, Any], targets: dict[str, dict[str, float | None]
     capture = results.get("capture", {}).get("repositories", {})
     if capture:
         lines += ["", "## Decode graphs over the exported artifacts, outside Triton (bench/capture_check.py)", "",
-                  "| format | model | host sync in a call | captured | eager ms (batch 1) | graphed ms (batch 1) | error |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| format | model | host sync in a call | captured | eager ms (batch 1) | graphed ms (batch 1) "
+                  "| graphed ms, padded to the window | error |",
+                  "|---|---|---|---|---|---|---|---|"]
         for found in capture.values():
             models = {m: found[m] for m in ("target", "mtp") if m in found} or {"-": {"error": found.get("stderr", "")[-200:]}}
             for model, r in models.items():
                 lines.append(f"| {found['format']} | {model} | {r.get('host_sync') or 'none'} | {r.get('captured', False)} "
                              f"| {_fmt(r.get('eager_ms'), 3)} | {_fmt(r.get('graphed_ms'), 3)} "
-                             f"| {' '.join(r.get('error', '').split())[:200]} |")
+                             f"| {_fmt(r.get('graphed_window_ms'), 3)} | {' '.join(r.get('error', '').split())[:200]} |")
     realistic = results.get("realistic")
     if realistic:
         lines += ["", f"## Realistic configuration ({realistic['layers']} layers, hidden {realistic['hidden_size']}, "
