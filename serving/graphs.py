@@ -232,7 +232,7 @@ class GraphedTarget(_GraphedStep):
 
     def __init__(self, window: Step, max_batch: int, width: int, device: torch.device,
                  graph: Callable[..., Step] = CapturedStep) -> None:
-        super().__init__(window, max_batch, width, device, sorted({1, width}), None, graph)
+        super().__init__(window, max_batch, width, device, sorted({1, width}, reverse=True), None, graph)  # widest first
 
     def _width(self, key: int | None) -> int:
         return key

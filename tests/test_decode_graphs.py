@@ -287,7 +287,7 @@ def test_a_graph_that_disagrees_with_eager_falls_back_to_the_step(twins):
                               window, lines.append)
     assert step is window
     assert lines and lines[0].startswith(
-        "CUDA graphs off, running eager: RuntimeError: CUDA graph of the 1-token target (batch 2) differs")
+        "CUDA graphs off, running eager: RuntimeError: CUDA graph of the 4-token target (batch 2) differs")
     lines.clear()
     step = with_decode_graphs(lambda: GraphedTarget(window, 2, WIDTH, torch.device("cpu"), graph=EagerReplay),
                               window, lines.append)
