@@ -111,7 +111,7 @@ class _Sequence:
         (hop, row, n): h_i are the hop's hidden[row, :n]."""
         if not self.absorb_tokens:
             self.absorb_start = start
-        self.absorb_tokens = self.absorb_tokens + tokens
+        self.absorb_tokens.extend(tokens)  # the row's own list: the mtp hop replaces it once absorbed
         self.absorb_hidden.append(hidden)
 
     def absorbed_hidden(self) -> torch.Tensor:
@@ -262,8 +262,10 @@ class Scheduler:
         previous hop's hidden states its pairs (and the drafting rows' pairs) need. Older hops are
         already kept, or fully absorbed by now."""
         hop, self._last_hidden = self._last_hidden, None
+        if hop is None:
+            return
         drafts = set(drafting)
-        if hop is None or not any(s.absorb_tokens and s.num_draft > 0 and s not in drafts for s in live):
+        if not any(s.absorb_tokens and s.num_draft > 0 and s not in drafts for s in live):
             return
         needed = {row: n for s in live if s.num_draft > 0 for h, row, n in s.absorb_hidden if h is hop}
         if needed:
@@ -394,13 +396,13 @@ class Scheduler:
         self._last_hidden = hop = _StepHidden(result.hidden)  # [B, T, H]
         for b, s in enumerate(rows):
             try:
-                self._accept(s, num_accepted[b], output_ids[b], logprobs[b], (hop, b), starts[b])
+                self._accept(s, num_accepted[b], output_ids[b], logprobs[b], hop, b, starts[b])
             except Exception as exc:  # noqa: BLE001 - this request alone fails
                 self._fail(s, f"spec_decode: {type(exc).__name__}: {exc}")
 
     def _accept(self, s: _Sequence, num_accepted: int, output_ids: list[int], logprobs: list[float],
-                hidden: tuple[_StepHidden, int], start: int) -> None:
-        """Record one target result for one sequence; output_ids [K+1], logprobs [K+1], hidden (hop, its row)."""
+                hop: _StepHidden, row: int, start: int) -> None:
+        """Record one target result for one sequence, row `row` of the hop; output_ids [K+1], logprobs [K+1]."""
         new_ids = output_ids[: num_accepted + 1]
         new_logprobs = logprobs[: num_accepted + 1]
         if s.prefilled:
@@ -411,9 +413,9 @@ class Scheduler:
                 for position in range(num_accepted):
                     s.accepted_per_position[position] += 1
                 self.metrics.draft(k, num_accepted)
-            pairs = (new_ids, (*hidden, num_accepted + 1), start)  # i = start .. start + num_accepted
+            pairs = (new_ids, (hop, row, num_accepted + 1), start)  # i = start .. start + num_accepted
         else:
-            pairs = (s.tokens[1:] + new_ids[:1], (*hidden, len(s.tokens)), 0)  # the shifted prompt
+            pairs = (s.tokens[1:] + new_ids[:1], (hop, row, len(s.tokens)), 0)  # the shifted prompt
             s.prefilled = True
         if s.request.num_draft_tokens:
             s.pend(*pairs)
