@@ -7,7 +7,7 @@
 # of time is logged and the others still run:
 #   engine      (on a GPU, only when BENCH_ONLY names it) bench/engine_overhead.py, the engine in process
 #               with its decode graphs, 1 and 32 prompts, k = 0 and 3, model steps compiled and not
-#               (BENCH_ENGINE_COMPILED=0: not compiled only): $OUT/engine/
+#               (BENCH_ENGINE_COMPILED=0: not compiled only), then k = 0 with --overlap: $OUT/engine/
 #   load_time   (on a GPU, only when BENCH_ONLY names it) bench/load_time.py: seconds to a ready server whose
 #               graphs capture compiled steps (--compile-graphs, local hops), with and without the compile
 #               cache the export ships: $OUT/load_time.json
@@ -41,7 +41,8 @@
 #
 # BENCH_SKIP="STAGE ...": leave those stages out (their results then come from an earlier run);
 # BENCH_ONLY="STAGE ...": run only those. BENCH_RESPONSE_THREADS=N exports with --response-threads N,
-# BENCH_STREAM_INTERVAL=N with --stream-interval N, BENCH_SPEC_DISABLE_ROWS=N with --spec-disable-rows N. BENCH_MOE=grouped|dense picks the routed experts' kind
+# BENCH_STREAM_INTERVAL=N with --stream-interval N, BENCH_SPEC_DISABLE_ROWS=N with --spec-disable-rows N,
+# BENCH_NO_OVERLAP=1 with --no-overlap. BENCH_MOE=grouped|dense picks the routed experts' kind
 # (export/moe.py) of the export, standalone and engine stages (default: the export's default).
 # BENCH_SMOKE=1: tiny sizes on CPU (fp32, eager, 2 prompts of 16 tokens, k=1,2, streams 1,2; a synthetic
 # checkpoint when none is given) so the whole script is known to run. BENCH_REPOSITORY=<dir> serves an
@@ -129,6 +130,7 @@ format_args=()
 [ -n "${BENCH_RESPONSE_THREADS:-}" ] && format_args+=(--response-threads "$BENCH_RESPONSE_THREADS")
 [ -n "${BENCH_STREAM_INTERVAL:-}" ] && format_args+=(--stream-interval "$BENCH_STREAM_INTERVAL")
 [ -n "${BENCH_SPEC_DISABLE_ROWS:-}" ] && format_args+=(--spec-disable-rows "$BENCH_SPEC_DISABLE_ROWS")
+[ "${BENCH_NO_OVERLAP:-0}" = 1 ] && format_args+=(--no-overlap)
 moe_args=()
 [ -n "${BENCH_MOE:-}" ] && moe_args=(--moe "$BENCH_MOE")
 format_args+=("${moe_args[@]}")
@@ -178,6 +180,10 @@ if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" engine "* ]]; then  # on
             stage engine "${BENCH_ENGINE_S:-120}" python -m bench.engine_overhead --checkpoint "$checkpoint" \
                 --device cuda --dtype "$dtype" --graphs $compiled --prompts "$b" --prompt-tokens "$prompt_tokens" \
                 --max-tokens "$max_tokens" --draft-tokens 0,3 "${moe_args[@]}" --out "$OUT/engine/graphs${compiled:+_compiled}_b$b.json"
+            stage engine "${BENCH_ENGINE_S:-120}" python -m bench.engine_overhead --checkpoint "$checkpoint" \
+                --device cuda --dtype "$dtype" --graphs $compiled --overlap --prompts "$b" --prompt-tokens "$prompt_tokens" \
+                --max-tokens "$max_tokens" --draft-tokens 0 "${moe_args[@]}" \
+                --out "$OUT/engine/graphs${compiled:+_compiled}_overlap_b$b.json"
         done
     done
 fi

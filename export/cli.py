@@ -61,6 +61,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--spec-disable-rows", type=_at_least(0), default=0, metavar="N",
                         help="steps with more than N live sequences decode without drafts, where verifying drafts "
                         "costs more than it saves (default: 0, always draft)")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="--hops local: run one target call at a time instead of launching the next plain "
+                        "decoding step's call before reading this one's (default: overlap)")
     parser.add_argument("--tensor-parallel", type=_at_least(1), default=1, metavar="N",
                         help="eager format: shard the target and MTP over N ranks, one per GPU (default: 1)")
     parser.add_argument("--hops", choices=HOPS, default="bls",
@@ -84,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
             response_threads=args.response_threads,
             stream_interval=args.stream_interval,
             spec_disable_rows=args.spec_disable_rows,
+            overlap=not args.no_overlap,
             tensor_parallel=args.tensor_parallel,
             hops=args.hops,
             moe=args.moe,

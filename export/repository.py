@@ -65,6 +65,7 @@ def write_repository(
     response_threads: int = 0,
     stream_interval: int = 1,
     spec_disable_rows: int = 0,
+    overlap: bool = True,
     tensor_parallel: int = 1,
     hops: str = "bls",
     moe: str | None = None,
@@ -79,8 +80,8 @@ def write_repository(
     tokens, max_tokens cap, request timeout). `cuda_graphs` lets the `target` and `mtp` models on CUDA
     replay decode-time calls from captured graphs (serving/graphs.py), captured over torch.compile'd steps
     with `compile_graphs`. `response_threads` > 0 makes `spec_decode` send streamed responses from that
-    many threads (serving/responses.py); `stream_interval` and `spec_disable_rows` are the scheduler's
-    (serving/scheduler.py).
+    many threads (serving/responses.py); `stream_interval`, `spec_disable_rows` and `overlap` are the
+    scheduler's (serving/scheduler.py).
     `tensor_parallel` > 1 (eager format) makes the `target`
     and `mtp` models shard over that many ranks at load (serving/parallel.py). Existing `target`,
     `mtp`, `spec_decode` folders in `repo_dir` are replaced. `hops` "local" makes `spec_decode` run the
@@ -159,6 +160,7 @@ def write_repository(
         "response_threads": response_threads,
         "stream_interval": stream_interval,
         "spec_disable_rows": spec_disable_rows,
+        "overlap": "true" if overlap else "false",
         **_request_limits(max_seq_len, request_limits or {}),
     }
     values["spec_decode_kind"] = values["kind"] if hops == "local" else "KIND_CPU"  # a BLS engine holds no weights

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from triton_mtp.serving.requests import flag_parameter
 from triton_mtp.serving.workers import draft_chain, verify_window
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -359,17 +360,10 @@ def with_decode_graphs(build: Callable[[], _GraphedStep], step: Step, log: Calla
 GRAPH_FORMATS = ("eager",)
 
 
-def _flag(params: dict[str, str], key: str) -> bool:
-    value = params.get(key, "false")
-    if value not in ("true", "false"):
-        raise ValueError(f"config.pbtxt: parameter {key!r} must be true or false, got {value!r}")
-    return value == "true"
-
-
 def compile_graphs(params: dict[str, str]) -> bool:
     """Whether a graphed model captures torch.compile'd steps (config parameter `compile_graphs`): fused
     kernels make the replayed step faster (docs/benchmarks.md), compiling makes the load minutes longer."""
-    return _flag(params, "compile_graphs")
+    return flag_parameter(params, "compile_graphs")
 
 
 def compile_at_load(params: dict[str, str], device: torch.device, world_size: int) -> bool | None:
@@ -383,5 +377,5 @@ def graphs_wanted(params: dict[str, str], device: torch.device, world_size: int)
     """Whether a `target` / `mtp` model captures decode graphs: config parameter `cuda_graphs` true (the
     export writes it; a repository from before it has none and runs eager) on a CUDA device, the eager
     format, one rank."""
-    return _flag(params, "cuda_graphs") and device.type == "cuda" and world_size == 1 and \
+    return flag_parameter(params, "cuda_graphs") and device.type == "cuda" and world_size == 1 and \
         params.get("format") in GRAPH_FORMATS

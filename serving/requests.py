@@ -233,6 +233,15 @@ def int_parameter(params: Mapping[str, str], key: str, minimum: int, default: in
     return _number_parameter(params, key, minimum, int, "an integer")
 
 
+def flag_parameter(params: Mapping[str, str], key: str, default: bool = False) -> bool:
+    """A true/false config.pbtxt parameter, checked at load time (ValueError names the key); `default`
+    stands in for a parameter a repository from before it does not have."""
+    value = params.get(key, "true" if default else "false")
+    if value not in ("true", "false"):
+        raise ValueError(f"config.pbtxt: parameter {key!r} must be true or false, got {value!r}")
+    return value == "true"
+
+
 def float_parameter(params: Mapping[str, str], key: str, minimum: float) -> float:
     """A finite float config.pbtxt parameter, checked at load time (ValueError names the key)."""
     return _number_parameter(params, key, minimum, float, "a finite number")

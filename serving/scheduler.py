@@ -12,7 +12,11 @@ Every step serves all live sequences together:
    stream, and free the slots of finished sequences.
 
 Rejected drafts are never undone: the next step's window starts at the sequence's real length and
-writes over their cache positions. Plain decoding (k = 0) rows skip the mtp hop entirely. With
+writes over their cache positions. Where the hops return before the device is done (`overlaps`: the
+workers in this process) and every live row decodes plainly, a step launches the next step's target call
+from its own emitted tokens, still on the device, before it reads its results: the device runs one call
+while the host emits and streams the other (SGLang's overlap scheduler, vLLM's async scheduling). Rows
+that finish meanwhile leave that call's result for them unread. Plain decoding (k = 0) rows skip the mtp hop entirely. With
 `spec_disable_rows`, a step with more live sequences skips drafting (vLLM's
 `speculative_disable_by_batch_size`): the pairs its rows accept wait, and the next step that drafts
 absorbs them all in its mtp hop, so the MTP layers' caches catch up.
@@ -33,13 +37,17 @@ from triton_mtp.serving.requests import (
     EngineLimits, GenerationRequest, GenerationResponse, QueueFull, TextStream, Tokenizer,
 )
 from triton_mtp.serving.slots import SlotPool
-from triton_mtp.serving.workers import DraftBatch, DraftResult, TargetBatch, TargetResult
+from triton_mtp.serving.workers import DraftBatch, DraftResult, PendingTarget, TargetBatch, packed_copy
 
 
 class Hops(Protocol):
-    """The two calls a step makes; each is one process hop when served by Triton."""
+    """The two calls a step makes; each is one process hop when served by Triton. `overlaps`: whether
+    `launch_target` returns before the device has run the call, so that another can be launched first.
+    `hidden`: whether the result carries the hidden states (some row pends MTP pairs)."""
 
-    def target(self, batch: TargetBatch) -> TargetResult: ...
+    overlaps: bool
+
+    def launch_target(self, batch: TargetBatch, hidden: bool = True) -> PendingTarget: ...
     def mtp(self, batch: DraftBatch) -> DraftResult: ...
 
 
@@ -125,6 +133,15 @@ class _Sequence:
         return max(0, min(self.request.num_draft_tokens, left))
 
 
+@dataclass
+class _Launched:
+    """A target call in flight: its rows and the position of each row's first token in it."""
+
+    pending: PendingTarget
+    rows: list[_Sequence]
+    starts: list[int]
+
+
 def _padded(values, length: int, pad: int) -> list[int]:
     values = list(values)
     return values + [pad] * (length - len(values))
@@ -149,7 +166,7 @@ class Scheduler:
     def __init__(self, hops: Hops, limits: EngineLimits, metrics: EngineMetrics | None = None,
                  tokenizer: Tokenizer | None = None, clock: Callable[[], float] = time.monotonic,
                  cancel_check_interval_s: float = 0.0, drain_responses: Callable[[], None] | None = None,
-                 stream_interval: int = 1, spec_disable_rows: int = 0) -> None:
+                 stream_interval: int = 1, spec_disable_rows: int = 0, overlap: bool = True) -> None:
         """`cancel_check_interval_s`: how often live requests are asked whether they were cancelled (0:
         every step); in Triton each question is a round trip to the server. `drain_responses`: when the
         handles queue their sends (serving/responses.py), waits for the previous step's to go out; it is
@@ -159,7 +176,8 @@ class Scheduler:
         `--stream-interval`, it trades inter-token smoothness for fewer responses, each a round trip.
         `spec_disable_rows` > 0: steps with more live sequences than this decode without drafts (0: never).
         Where a batched step is bound by launches and per-row work rather than by weights, verifying
-        drafts costs more than they save (docs/benchmarks.md, runs 12-13)."""
+        drafts costs more than they save (docs/benchmarks.md, runs 12-13). `overlap`: launch the next
+        plain step's target call before reading this one's, where the hops allow it (off: one call at a time)."""
         if stream_interval < 1:
             raise ValueError(f"stream_interval: must be >= 1, got {stream_interval}")
         if spec_disable_rows < 0:
@@ -172,6 +190,8 @@ class Scheduler:
         self._drain_responses = drain_responses
         self._stream_interval = stream_interval
         self._spec_disable_rows = spec_disable_rows
+        self._overlap = overlap and hops.overlaps
+        self._ahead: _Launched | None = None  # the next step's target call, launched by this one
         self._cancel_checked_at = -float("inf")
         self.metrics = metrics or EngineMetrics(limits.max_draft_tokens)
         self.slots = SlotPool(limits.max_slots)
@@ -244,9 +264,15 @@ class Scheduler:
         self._phases = {"mtp": 0.0, "target": 0.0, "respond": 0.0}  # seconds of this step, added by _timed
         self._drop_cancelled()
         self._drop_expired()
-        self._admit()
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and not any(s in self._live for s in ahead.rows):
+            ahead = None  # its rows all finished: its work on the device is left unread
+        if ahead is None:  # else requests wait one step: this step's call is already running
+            self._admit()
         live = list(self._live)
-        if live:
+        if ahead is not None:
+            self._guarded(live, lambda rows: self._complete(ahead))  # the previous step went ahead: live <= its rows
+        elif live:
             drafting = [s for s in live if s.prefilled and s.num_draft > 0]
             if self._spec_disable_rows and len(live) > self._spec_disable_rows:
                 drafting = []  # their accepted pairs wait for the next step that drafts
@@ -254,6 +280,7 @@ class Scheduler:
             if drafting:
                 self._guarded(drafting, self._propose)
             self._guarded([s for s in live if s in self._live], self._verify)
+        if live:
             self.metrics.step({**self._phases, "engine": time.perf_counter() - start - sum(self._phases.values())})
         self._publish()
 
@@ -387,18 +414,55 @@ class Scheduler:
         batch = TargetBatch(**_row_params(rows, [not s.prefilled for s in rows]),
                             token_ids=token_ids, positions=positions, num_draft=num_draft,
                             draft_top_ids=top_ids, draft_top_probs=top_probs)
-        result = self._timed("target", self._hops.target, batch)
+        hidden = any(s.request.num_draft_tokens for s in rows)  # rows that pend MTP pairs need the hidden states
+        pending = self._timed("target", self._hops.launch_target, batch, hidden)
         self.metrics.hop()
+        self._complete(_Launched(pending, rows, starts))
+
+    def _complete(self, call: _Launched) -> None:
+        """Launch the next step's call first when it can go ahead, then read `call`'s results and accept them
+        for its rows still live."""
+        self._ahead = self._go_ahead(call)
+        result = self._timed("target", call.pending.result)
         if self._drain_responses is not None:  # the previous step's responses went out during the hops
             self._timed("respond", self._drain_responses)
         num_accepted, output_ids, logprobs = (result.num_accepted.tolist(), result.output_ids.tolist(),
                                               result.logprobs.tolist())  # [B], [B][K+1], [B][K+1]
         self._last_hidden = hop = _StepHidden(result.hidden)  # [B, T, H]
-        for b, s in enumerate(rows):
+        live = set(self._live)
+        for b, s in enumerate(call.rows):
+            if s not in live:  # finished or failed while the call ran
+                continue
             try:
-                self._accept(s, num_accepted[b], output_ids[b], logprobs[b], hop, b, starts[b])
+                self._accept(s, num_accepted[b], output_ids[b], logprobs[b], hop, b, call.starts[b])
             except Exception as exc:  # noqa: BLE001 - this request alone fails
                 self._fail(s, f"spec_decode: {type(exc).__name__}: {exc}")
+
+    def _go_ahead(self, call: _Launched) -> _Launched | None:
+        """The next step's target call over `call`'s rows, launched with the tokens `call` emits as its input
+        before they reach the host, when every row decodes plainly and no request waits for a slot. Rows
+        that certainly finish with `call` (max_tokens) are left out; those that stop on EOS or a stop word
+        get a call whose result is never read."""
+        if not self._overlap or any(s.request.num_draft_tokens for s in call.rows):
+            return None
+        with self._cond:
+            if self._waiting:  # it is admitted once the rows run one call at a time again
+                return None
+        index = [b for b, s in enumerate(call.rows) if len(s.output_ids) + 1 < s.request.max_tokens]
+        if not index:
+            return None
+        rows = [call.rows[b] for b in index]
+        token_ids = call.pending.next_ids  # [B, 1] on the device
+        if len(rows) < len(call.rows):
+            (kept,) = packed_copy([torch.tensor(index)], token_ids.device)  # [B'] without waiting for the device
+            token_ids = token_ids.index_select(0, kept)  # [B', 1]
+        starts = [len(s.tokens) for s in rows]  # where the tokens `call` emits go
+        batch = TargetBatch(**_row_params(rows, [False] * len(rows)), token_ids=token_ids,
+                            positions=torch.tensor(starts, dtype=torch.int64).view(-1, 1),  # [B', 1]
+                            num_draft=torch.zeros(len(rows), dtype=torch.int64))  # [B']
+        pending = self._timed("target", self._hops.launch_target, batch, False)
+        self.metrics.hop()
+        return _Launched(pending, rows, starts)
 
     def _accept(self, s: _Sequence, num_accepted: int, output_ids: list[int], logprobs: list[float],
                 hop: _StepHidden, row: int, start: int) -> None:

@@ -21,8 +21,8 @@ from triton_mtp.serving.requests import (
     EngineLimits, GenerationResponse, QueueFull, RequestError, Tokenizer, int_parameter, parse_request,
 )
 from triton_mtp.serving.workers import (
-    DraftBatch, DraftResult, DraftWorker, InProcessHops, TargetBatch, TargetResult, TargetWorker, draft_chain,
-    verify_window,
+    DraftBatch, DraftResult, DraftWorker, InProcessHops, PendingTarget, TargetBatch, TargetResult, TargetWorker,
+    draft_chain, verify_window,
 )
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -104,9 +104,11 @@ def _exec(model: str, arrays: dict[str, np.ndarray], outputs: list[str]) -> dict
 class BlsHops:
     """The scheduler's two hops as BLS calls into the `target` and `mtp` models."""
 
-    def target(self, batch: TargetBatch) -> TargetResult:
-        outputs = ["output_ids", "num_accepted", "logprobs", "hidden"]
-        return TargetResult.from_arrays(_exec("target", batch.to_arrays(), outputs))
+    overlaps = False  # a call returns with the `target` model's response
+
+    def launch_target(self, batch: TargetBatch, hidden: bool = True) -> PendingTarget:
+        outputs = ["output_ids", "num_accepted", "logprobs"] + (["hidden"] if hidden else [])
+        return PendingTarget(TargetResult.from_arrays(_exec("target", batch.to_arrays(), outputs)), hidden)
 
     def mtp(self, batch: DraftBatch) -> DraftResult:
         arrays = _exec("mtp", batch.to_arrays(), ["draft_ids", "draft_top_ids", "draft_top_probs"])

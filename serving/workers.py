@@ -37,19 +37,29 @@ WindowStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, i
 ChainStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
-def packed_copy(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+def packed_copy(tensors: list[torch.Tensor], device: torch.device, non_blocking: bool = False) -> list[torch.Tensor]:
     """`tensors` (all on one device) on `device` with a single transfer: their bytes side by side in one
     buffer (each at an 8-byte aligned offset), copied once, and viewed back as the original dtypes and
     shapes. A hop payload is a handful of small tensors, and each separate copy between host and GPU
-    waits for the stream."""
+    waits for the stream. The result never aliases `tensors`, even on their own device.
+
+    From the host to a GPU the bytes go through pinned memory without the host waiting: the stream runs
+    the copy before any kernel launched after it. With `non_blocking`, from a GPU to the host likewise,
+    into pinned memory that the caller reads only once the stream has passed the copy (`PendingTarget`)."""
+    source = tensors[0].device
+    to_device = source.type == "cpu" and device.type == "cuda"
+    to_host = non_blocking and source.type == "cuda" and device.type == "cpu"
     sizes = [t.numel() * t.element_size() for t in tensors]
     offsets = [0]
     for size in sizes:
         offsets.append(offsets[-1] + -(-size // 8) * 8)
-    buffer = torch.empty(offsets[-1], dtype=torch.uint8, device=tensors[0].device)  # [bytes]
+    buffer = torch.empty(offsets[-1], dtype=torch.uint8, device=source, pin_memory=to_device)  # [bytes]
     for t, offset, size in zip(tensors, offsets, sizes):
         buffer[offset: offset + size].view(t.dtype).view(t.shape).copy_(t)  # any strides: written through the dtype
-    moved = buffer.to(device)
+    if to_host:
+        moved = torch.empty(offsets[-1], dtype=torch.uint8, pin_memory=True).copy_(buffer, non_blocking=True)
+    else:
+        moved = buffer.to(device, non_blocking=to_device)
     return [moved[offset: offset + size].view(t.dtype).view(t.shape) for t, offset, size in zip(tensors, offsets, sizes)]
 
 
@@ -214,7 +224,7 @@ class TargetResult(_Payload):
     output_ids: torch.Tensor  # [B, K+1] int64: accepted drafts, then the recovered/bonus token, then -1
     num_accepted: torch.Tensor  # [B] int64
     logprobs: torch.Tensor  # [B, K+1] float32: log p(output token) under the unprocessed target
-    hidden: torch.Tensor  # [B, T, H] float32: target hidden after model.norm, per window position
+    hidden: torch.Tensor | None = None  # [B, T, H] float32: target hidden after model.norm, per window position
 
 
 @dataclass
@@ -365,14 +375,50 @@ class DraftWorker:
         return DraftResult(draft_ids, torch.stack(top_ids, 1), torch.stack(top_probs, 1).float())  # [B, K, N] x2
 
 
+class PendingTarget:
+    """A target call's result on its way to the host (`TargetWorker.verify` launches the call; this copies its
+    result out with one transfer, asynchronous from a GPU).
+
+    `result()` waits for this call alone, on a CUDA event rather than the stream, so a call launched after
+    it keeps the device busy while the host reads this one. `next_ids` [B, 1] are the tokens the call
+    emits first, where it made them: a call launched before `result()` takes them as input without a round
+    trip. They may be a decode graph's buffer, valid until the next target call. `hidden=False` leaves the
+    hidden states on the device (None in the result) when no row pends MTP pairs.
+    """
+
+    def __init__(self, result: TargetResult, hidden: bool = True) -> None:
+        self.next_ids = result.output_ids[:, :1]  # [B, 1]
+        fields = {"output_ids": result.output_ids, "num_accepted": result.num_accepted, "logprobs": result.logprobs,
+                  "hidden": result.hidden if hidden else None}
+        names = [name for name, t in fields.items() if t is not None]
+        source = result.output_ids.device
+        host = packed_copy([fields[name] for name in names], torch.device("cpu"), non_blocking=True)
+        self._event = None
+        if source.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(source))
+        values = dict.fromkeys(fields)
+        values.update(zip(names, host))
+        self._result = TargetResult(**values)
+
+    def result(self) -> TargetResult:
+        """Host tensors, once the call and its copy are done."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._result
+
+
 class InProcessHops:
-    """The scheduler's hops served by workers in this process (no server, same code path)."""
+    """The scheduler's hops served by workers in this process (no server, same code path). Target calls
+    return before the device finishes them (`overlaps`), so the engine can launch the next one first."""
+
+    overlaps = True
 
     def __init__(self, target: TargetWorker, draft: DraftWorker | None) -> None:
         self._target, self._draft = target, draft
 
-    def target(self, batch: TargetBatch) -> TargetResult:
-        return self._target.verify(batch).to("cpu")  # host tensors, as from a hop
+    def launch_target(self, batch: TargetBatch, hidden: bool = True) -> PendingTarget:
+        return PendingTarget(self._target.verify(batch), hidden)
 
     def mtp(self, batch: DraftBatch) -> DraftResult:
         if self._draft is None:

@@ -13,7 +13,7 @@ import torch
 from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.serving.requests import (
     EngineLimits, GenerationRequest, GenerationResponse, QueueFull, RequestError, TokenizerFile, default_limits,
-    engine_limits, parse_request,
+    engine_limits, flag_parameter, parse_request,
 )
 from triton_mtp.serving.scheduler import Scheduler
 from triton_mtp.serving.workers import DraftWorker, InProcessHops, TargetWorker, verify_window
@@ -343,6 +343,78 @@ def test_eos_stops_the_sequence_before_max_tokens(models):
     assert stopped.final.output_ids == ids[: ids.index(eos)]
 
 
+class _TracedHops:
+    """In-process hops that log when each target call is launched and when its result is read."""
+
+    overlaps = True
+
+    def __init__(self, hops: InProcessHops) -> None:
+        self.hops, self.mtp, self.log = hops, hops.mtp, []
+
+    def launch_target(self, batch, hidden=True):
+        n, pending, log = sum(event == "launch" for event, _ in self.log), self.hops.launch_target(batch, hidden), self.log
+        log.append(("launch", n))
+
+        class Traced:
+            next_ids = pending.next_ids
+
+            def result(self):
+                log.append(("read", n))
+                return pending.result()
+
+        return Traced()
+
+    def launched_ahead(self) -> int:
+        """Calls launched while an earlier one was still unread."""
+        unread, ahead = set(), 0
+        for event, n in self.log:
+            if event == "launch":
+                ahead += bool(unread)
+                unread.add(n)
+            else:
+                unread.discard(n)
+        return ahead
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_overlapped_steps_emit_what_one_call_at_a_time_emits(models, temperature):
+    """With `overlap`, a plain step launches the next step's target call from its emitted tokens before
+    reading them. The streamed responses (tokens, logprobs, finish reasons) equal those of one call at a
+    time, greedy and seeded sampling, while rows stop on EOS or max_tokens, are cancelled, and requests
+    arrive mid-run (they wait for the call in flight); every slot is free at the end."""
+    batch = prompts(7, seed=11)
+    (probe,) = run(scheduler(models), [GenerationRequest(batch[0], 12)])
+    eos = probe.final.output_ids[4]  # request 0 stops on EOS after 4 tokens, greedy
+
+    def serve(overlap: bool):
+        target, mtp = models
+        hops = _TracedHops(InProcessHops(TargetWorker(verify_window(target), MAX_SLOTS),
+                                         DraftWorker(mtp, NUM_MTP_LAYERS, MAX_SLOTS)))
+        engine = Scheduler(hops, limits(eos_token_id=eos), overlap=overlap)
+        handles = [Collect(cancel_after=3 if n == 2 else None) for n in range(len(batch))]
+        requests = [GenerationRequest(p, 12 + 3 * n, stream=True, temperature=temperature, seed=n,
+                                      return_logprobs=True) for n, p in enumerate(batch)]
+        for request, handle in zip(requests[:4], handles):
+            engine.submit(request, handle)
+        for _ in range(3):
+            engine.step()
+        for request, handle in zip(requests[4:], handles[4:]):  # while a call may be in flight
+            engine.submit(request, handle)
+        engine.run_until_idle()
+        assert engine.slots.num_free == MAX_SLOTS
+        return [[(r.output_ids, r.logprobs, r.finish_reason) for r, _ in h.responses] for h in handles], hops
+
+    (expected, one_at_a_time), (got, overlapped) = serve(False), serve(True)
+    for got_responses, expected_responses in zip(got, expected):  # late arrivals join a batch a step later:
+        assert [(ids, reason) for ids, _, reason in got_responses] == \
+            [(ids, reason) for ids, _, reason in expected_responses]  # float sums may differ in the last bits
+        for (_, got_logprobs, _), (_, expected_logprobs, _) in zip(got_responses, expected_responses):
+            assert got_logprobs == pytest.approx(expected_logprobs, abs=1e-5)
+    assert one_at_a_time.launched_ahead() == 0 and overlapped.launched_ahead() > 10
+    reasons = {responses[-1][2] for responses in got}
+    assert {"length", "cancelled"} <= reasons and (temperature > 0 or "stop" in reasons)
+
+
 def test_cancelled_request_is_dropped_and_its_slot_freed(models):
     engine = scheduler(models)
     cancelled, kept = Collect(cancel_after=2), Collect()
@@ -446,16 +518,16 @@ def test_requests_beyond_the_queue_bound_are_refused(models):
 
 def test_a_failing_hop_fails_its_requests_and_the_loop_goes_on(models):
     engine = scheduler(models)
-    real_target = engine._hops.target
+    real_target = engine._hops.launch_target
     calls = []
 
-    def flaky_target(batch):
+    def flaky_target(batch, hidden=True):
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("target: out of memory")
-        return real_target(batch)
+        return real_target(batch, hidden)
 
-    engine._hops.target = flaky_target
+    engine._hops.launch_target = flaky_target
     (failed,) = run(engine, [GenerationRequest([5, 6, 7], 8)])
     assert failed.error == "spec_decode: RuntimeError: target: out of memory"
     assert engine.slots.num_free == MAX_SLOTS
@@ -685,6 +757,13 @@ def test_bad_request_names_the_field(fields, field):
         parse_request(_arrays(fields), limits(), tokenizer=None)
     assert error.value.field == field
     assert str(error.value).startswith(f"{field}: ")
+
+
+def test_a_flag_parameter_is_true_or_false_and_defaults_where_a_repository_predates_it():
+    assert flag_parameter({"overlap": "false"}, "overlap", default=True) is False
+    assert flag_parameter({}, "overlap", default=True) is True and flag_parameter({}, "cuda_graphs") is False
+    with pytest.raises(ValueError, match="parameter 'overlap' must be true or false, got 'yes'"):
+        flag_parameter({"overlap": "yes"}, "overlap", default=True)
 
 
 def test_unfilled_config_parameter_is_named_at_load_time():

@@ -3,7 +3,7 @@ steps all live sequences with one `mtp` and one `target` hop per step, as BLS ca
 `hops` local) with the workers in this process."""
 from triton_mtp.serving import triton_io
 from triton_mtp.serving.metrics import EngineMetrics
-from triton_mtp.serving.requests import TokenizerFile, engine_limits, int_parameter
+from triton_mtp.serving.requests import TokenizerFile, engine_limits, flag_parameter, int_parameter
 from triton_mtp.serving.responses import ResponseThreads
 from triton_mtp.serving.scheduler import Scheduler
 
@@ -22,7 +22,8 @@ class TritonPythonModel:
                                    cancel_check_interval_s=triton_io.CANCEL_CHECK_INTERVAL_S,
                                    drain_responses=self.responses.drain if self.responses else None,
                                    stream_interval=int_parameter(params, "stream_interval", 1, default=1),
-                                   spec_disable_rows=int_parameter(params, "spec_disable_rows", 0, default=0))
+                                   spec_disable_rows=int_parameter(params, "spec_disable_rows", 0, default=0),
+                                   overlap=flag_parameter(params, "overlap", default=True))
         self.scheduler.start()
 
     def execute(self, requests):
