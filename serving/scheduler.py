@@ -12,14 +12,16 @@ Every step serves all live sequences together:
    stream, and free the slots of finished sequences.
 
 Rejected drafts are never undone: the next step's window starts at the sequence's real length and
-writes over their cache positions. Where the hops return before the device is done (`overlaps`: the
-workers in this process) and every live row decodes plainly, a step launches the next step's target call
-from its own emitted tokens, still on the device, before it reads its results: the device runs one call
-while the host emits and streams the other (SGLang's overlap scheduler, vLLM's async scheduling). Rows
-that finish meanwhile leave that call's result for them unread. Plain decoding (k = 0) rows skip the mtp hop entirely. With
+writes over their cache positions. Plain decoding (k = 0) rows skip the mtp hop entirely. With
 `spec_disable_rows`, a step with more live sequences skips drafting (vLLM's
 `speculative_disable_by_batch_size`): the pairs its rows accept wait, and the next step that drafts
 absorbs them all in its mtp hop, so the MTP layers' caches catch up.
+
+Where the hops return before the device is done (`overlaps`: the workers in this process) and no row
+drafts in this step or the next (plain rows, or drafting off under `spec_disable_rows`), a step launches
+the next step's target call from its own emitted tokens, still on the device, before it reads its
+results: the device runs one call while the host emits and streams the other (SGLang's overlap
+scheduler, vLLM's async scheduling). Rows that finish meanwhile leave that call's result unread.
 The loop is pb_utils-free: hops and response senders come in through small protocols.
 """
 from __future__ import annotations
@@ -440,18 +442,22 @@ class Scheduler:
 
     def _go_ahead(self, call: _Launched) -> _Launched | None:
         """The next step's target call over `call`'s rows, launched with the tokens `call` emits as its input
-        before they reach the host, when every row decodes plainly and no request waits for a slot. Rows
-        that certainly finish with `call` (max_tokens) are left out; those that stop on EOS or a stop word
-        get a call whose result is never read."""
-        if not self._overlap or any(s.request.num_draft_tokens for s in call.rows):
+        before they reach the host, when `call` verified no drafts (each row emits one token), the next step
+        drafts for none of them (plain rows, or more rows than `spec_disable_rows`) and no request waits for
+        a slot. Rows that certainly finish with `call` (max_tokens) are left out; those that stop on EOS or a
+        stop word get a call whose result is never read."""
+        if not self._overlap or any(s.drafts for s in call.rows):
             return None
         with self._cond:
             if self._waiting:  # it is admitted once the rows run one call at a time again
                 return None
         index = [b for b, s in enumerate(call.rows) if len(s.output_ids) + 1 < s.request.max_tokens]
-        if not index:
-            return None
         rows = [call.rows[b] for b in index]
+        drafting_off = self._spec_disable_rows and len(rows) > self._spec_disable_rows
+        # after `call`, a row may draft min(num_draft_tokens, max_tokens - output tokens - 1) tokens
+        if not rows or not drafting_off and any(s.request.num_draft_tokens and s.request.max_tokens - len(s.output_ids) > 2
+                                                for s in rows):
+            return None
         token_ids = call.pending.next_ids  # [B, 1] on the device
         if len(rows) < len(call.rows):
             (kept,) = packed_copy([torch.tensor(index)], token_ids.device)  # [B'] without waiting for the device
@@ -460,7 +466,8 @@ class Scheduler:
         batch = TargetBatch(**_row_params(rows, [False] * len(rows)), token_ids=token_ids,
                             positions=torch.tensor(starts, dtype=torch.int64).view(-1, 1),  # [B', 1]
                             num_draft=torch.zeros(len(rows), dtype=torch.int64))  # [B']
-        pending = self._timed("target", self._hops.launch_target, batch, False)
+        hidden = any(s.request.num_draft_tokens for s in rows)  # their pairs wait for a step that drafts
+        pending = self._timed("target", self._hops.launch_target, batch, hidden)
         self.metrics.hop()
         return _Launched(pending, rows, starts)
 
