@@ -272,8 +272,9 @@ class Scheduler:
         if ahead is None:  # else requests wait one step: this step's call is already running
             self._admit()
         live = list(self._live)
-        if ahead is not None:
-            self._guarded(live, lambda rows: self._complete(ahead))  # the previous step went ahead: live <= its rows
+        if ahead is not None:  # the previous step launched this one's call: live <= its rows, none drafts
+            self._keep_waiting_pairs(live, [])
+            self._guarded(live, lambda rows: self._complete(ahead))
         elif live:
             drafting = [s for s in live if s.prefilled and s.num_draft > 0]
             if self._spec_disable_rows and len(live) > self._spec_disable_rows:
