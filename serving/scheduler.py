@@ -179,7 +179,8 @@ class Scheduler:
         `spec_disable_rows` > 0: steps with more live sequences than this decode without drafts (0: never).
         Where a batched step is bound by launches and per-row work rather than by weights, verifying
         drafts costs more than they save (docs/benchmarks.md, runs 12-13). `overlap`: launch the next
-        plain step's target call before reading this one's, where the hops allow it (off: one call at a time)."""
+        step's target call before reading this one's when no row drafts in either, where the hops allow it
+        (off: one call at a time)."""
         if stream_interval < 1:
             raise ValueError(f"stream_interval: must be >= 1, got {stream_interval}")
         if spec_disable_rows < 0:
