@@ -14,14 +14,16 @@ captured graphs.
 (`serving.graphs.GraphedTarget` / `GraphedMTP` / `GraphedDraftChain`); --compile puts the model steps
 through torch.compile first (inside the graphs, with --graphs); --overlap lets plain steps launch the
 next step's target call before reading their own (the scheduler's `overlap`; the target call is then
-not timed apart, it runs while the engine works); --profile FILE writes torch.profiler's table of the ops
-of the last k's run, by self CPU time: what the host spends per step besides the replays.
+not timed apart, it runs while the engine works); --thread steps on a second thread, as the served
+scheduler does (bench/cpu_threads.py: MKL is slower there); --profile FILE writes torch.profiler's table
+of the ops of the last k's run, by self CPU time: what the host spends per step besides the replays.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import functools
+import threading
 import time
 from pathlib import Path
 
@@ -64,9 +66,10 @@ def run(args: argparse.Namespace) -> dict:
     draft_counts = [int(k) for k in args.draft_tokens.split(",")]
     max_seq_len = args.prompt_tokens + args.max_tokens + max(draft_counts) + 1
     moe = args.moe or default_moe_kind(device, DTYPES[args.dtype])
-    config, target, mtp = load_checkpoint(args.checkpoint, args.dtype, device, max_slots=len(prompts),
+    max_slots = args.max_slots or len(prompts)
+    config, target, mtp = load_checkpoint(args.checkpoint, args.dtype, device, max_slots=max_slots,
                                           max_seq_len=max_seq_len, progress=False, moe=moe)
-    limits = EngineLimits(max_slots=len(prompts), max_seq_len=max_seq_len, vocab_size=config.vocab_size,
+    limits = EngineLimits(max_slots=max_slots, max_seq_len=max_seq_len, vocab_size=config.vocab_size,
                           max_draft_tokens=max(draft_counts), default_num_draft_tokens=0, eos_token_id=-1,
                           max_queue_size=len(prompts), **default_limits(max_seq_len))
     dtype, layers = target.lm_head.weight.dtype, config.num_nextn_predict_layers
@@ -84,7 +87,7 @@ def run(args: argparse.Namespace) -> dict:
                          DraftWorker(mtp_step, layers, len(prompts), device, dtype, greedy=timed_mtp))
     results = {"benchmark": "engine_overhead", "device": str(device), "dtype": args.dtype, "prompts": len(prompts),
                "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "graphs": args.graphs,
-               "compile": args.compile, "moe": moe, "spec_disable_rows": args.spec_disable_rows, "overlap": args.overlap,
+               "compile": args.compile, "thread": args.thread, "moe": moe, "spec_disable_rows": args.spec_disable_rows, "overlap": args.overlap,
                "environment": environment(), "runs": {}}
     handle = _Drop()
     for k in draft_counts:
@@ -98,11 +101,21 @@ def run(args: argparse.Namespace) -> dict:
             engine.submit(GenerationRequest(input_ids=prompt, max_tokens=args.max_tokens, num_draft_tokens=k), handle)
         timed_target.seconds = timed_mtp.seconds = 0.0
         steps, start = 0, time.perf_counter()
-        with profiler:
-            while not engine.idle:
-                engine.step()
-                steps += 1
-            synchronize(device)
+
+        def loop() -> None:
+            nonlocal steps
+            with profiler:
+                while not engine.idle:
+                    engine.step()
+                    steps += 1
+                synchronize(device)
+
+        if args.thread:  # as the served scheduler steps: not on the main thread
+            stepper = threading.Thread(target=loop)
+            stepper.start()
+            stepper.join()
+        else:
+            loop()
         total = time.perf_counter() - start
         if args.profile and k == draft_counts[-1]:
             table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
@@ -147,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-slots", type=int, help="KV-cache slots (default: --prompts; gpu_bench exports 64)")
     parser.add_argument("--draft-tokens", default="0,3", help="comma-separated k values (0 = plain)")
     parser.add_argument("--graphs", action="store_true", help="replay the model calls from decode graphs (CUDA)")
     parser.add_argument("--moe", choices=MOE_KINDS, help="routed experts (export/moe.py; default as the eager export)")
@@ -157,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overlap", action="store_true",
                         help="plain steps launch the next target call before reading theirs (export's default; "
                         "the target call is then not timed apart)")
+    parser.add_argument("--thread", action="store_true", help="step on a second thread, as the served scheduler does")
     parser.add_argument("--profile", help="write the op table of the last k's run to this file")
     parser.add_argument("--out", help="result JSON file")
     args = parser.parse_args(argv)

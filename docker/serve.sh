@@ -1,8 +1,10 @@
 #!/bin/sh
 # tritonserver on the exported repository, with Python-backend shared memory sized for logits and
-# hidden states (the backend's 1 MiB default is outgrown). Extra arguments go to tritonserver.
+# hidden states (the backend's 1 MiB default is outgrown), and one MKL thread unless MKL_NUM_THREADS is set
+# (CPU steps on the engine's thread: bench/cpu_threads.py). Extra arguments go to tritonserver.
 set -eu
 MODEL_REPOSITORY=${MODEL_REPOSITORY:-/repository}
+export MKL_NUM_THREADS="${MKL_NUM_THREADS:-1}"
 
 if [ ! -f "$MODEL_REPOSITORY/spec_decode/config.pbtxt" ]; then
     echo "serve: MODEL_REPOSITORY=$MODEL_REPOSITORY has no spec_decode/config.pbtxt (run the export first)" >&2

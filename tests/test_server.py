@@ -111,6 +111,15 @@ def test_stub_imports_this_environments_numpy_below_2(server: TritonServer) -> N
     assert int(version.split(".")[0]) < 2
 
 
+def test_stubs_get_one_mkl_thread_unless_the_caller_sets_it(server: TritonServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    stubs = stub_pids(server.repository)
+    assert stubs
+    for pid in stubs:  # CPU steps on the engine's thread: bench/cpu_threads.py
+        assert b"MKL_NUM_THREADS=1" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    monkeypatch.setenv("MKL_NUM_THREADS", "4")
+    assert TritonServer(server.repository).environment(find_tritonserver())["MKL_NUM_THREADS"] == "4"
+
+
 def test_port_in_use_is_named_before_starting() -> None:
     grpc_port, http_port, metrics_port = free_ports(3)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
