@@ -8,6 +8,9 @@
 #   engine      (on a GPU, only when BENCH_ONLY names it) bench/engine_overhead.py, the engine in process
 #               with its decode graphs, 1 and 32 prompts, k = 0 and 3, model steps compiled and not
 #               (BENCH_ENGINE_COMPILED=0: not compiled only), then k = 0 with --overlap: $OUT/engine/
+#   engine_thread  (on a GPU, only when BENCH_ONLY names it) bench/engine_overhead.py as the local-hops server
+#               steps (64 slots, --overlap, compiled with BENCH_COMPILE=1), 1 prompt, k = 0, 0, 3, on the main thread
+#               and on a second thread (--thread): $OUT/engine/served_shape_{main,thread}.json
 #   load_time   (on a GPU, only when BENCH_ONLY names it) bench/load_time.py: seconds to a ready server whose
 #               graphs capture compiled steps (--compile-graphs, local hops), with and without the compile
 #               cache the export ships: $OUT/load_time.json
@@ -188,6 +191,20 @@ if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" engine "* ]]; then  # on
                 --max-tokens "$max_tokens" --draft-tokens 0 "${moe_args[@]}" \
                 --out "$OUT/engine/graphs${compiled:+_compiled}_overlap_b$b.json"
         done
+    done
+fi
+if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" engine_thread "* ]]; then  # on request: the engine in process
+    # as the local-hops server runs it (64 slots, overlap, stepping on a second thread) and on the main thread
+    mkdir -p "$OUT/engine"
+    compiled=()
+    [ "${BENCH_COMPILE:-0}" = 1 ] && compiled=(--compile)
+    for where in main thread; do
+        thread=()
+        [ "$where" = thread ] && thread=(--thread)
+        stage engine_thread "${BENCH_ENGINE_S:-120}" python -m bench.engine_overhead --checkpoint "$checkpoint" \
+            --device cuda --dtype "$dtype" --graphs "${compiled[@]}" --overlap "${thread[@]}" --prompts 1 --max-slots 64 \
+            --prompt-tokens "$prompt_tokens" --max-tokens "$max_tokens" --draft-tokens 0,0,3 "${moe_args[@]}" \
+            --out "$OUT/engine/served_shape_$where.json"
     done
 fi
 if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" compile_parity "* ]]; then  # on request: minutes of compiling

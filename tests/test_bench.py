@@ -181,3 +181,29 @@ def test_detokenize_bench_compares_both_paths_on_held_out_outputs(tmp_path):
     (row,) = json.loads(out.read_text())["rows"]
     assert row["output_tokens"] == 64 and row["steps"] == 22
     assert row["whole_decode_ms"] > 0 and row["text_stream_ms"] > 0
+
+
+def test_engine_overhead_steps_the_same_on_a_second_thread(tmp_path):
+    runs = {}
+    for where, flags in (("main", ()), ("thread", ("--thread",))):
+        out = tmp_path / f"{where}.json"
+        done = run_module("bench.engine_overhead", "--checkpoint", str(REPO / "models" / "tiny-dsv3-mtp"), "--prompts", "1",
+                          "--max-slots", "4", "--prompt-tokens", "8", "--max-tokens", "12", "--draft-tokens", "0,3",
+                          *flags, "--out", str(out))
+        assert done.returncode == 0, done.stderr[-3000:]
+        result = json.loads(out.read_text())
+        assert result["thread"] == (where == "thread")
+        runs[where] = {k: (r["steps"], r["tokens"]) for k, r in result["runs"].items()}
+    assert runs["main"]["0"] == (12, 12)
+    assert runs["thread"] == runs["main"]  # greedy fp32: the same steps and tokens wherever the loop runs
+
+
+def test_cpu_threads_bench_times_each_setting_from_both_threads(tmp_path):
+    out = tmp_path / "cpu_threads.json"
+    done = run_module("bench.cpu_threads", "--checkpoint", str(REPO / "models" / "tiny-dsv3-mtp"), "--tokens", "1,5",
+                      "--repeats", "2", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    ms = json.loads(out.read_text())["ms"]
+    cases = {f"{where} thread, {T} token(s)" for where in ("main", "second") for T in (1, 5)}
+    assert set(ms) == {"MKL default", "MKL_NUM_THREADS=1"}
+    assert all(set(times) == cases and all(t > 0 for t in times.values()) for times in ms.values())
