@@ -24,6 +24,7 @@ import argparse
 import importlib.metadata
 import importlib.util
 import os
+import random
 import re
 import secrets
 import shutil
@@ -44,6 +45,7 @@ SHM_DEFAULT_BYTE_SIZE = 16 * 2**20  # per model instance; the backend's 1 MiB de
 SHM_GROWTH_BYTE_SIZE = 16 * 2**20
 STOP_GRACE_S = 30.0
 LOG_ERROR_LINES = 30
+FREE_PORTS_FROM = 20000  # free_ports draws from here up to the ephemeral range
 
 ADMIN_KEY_ENV = "TRITON_MTP_ADMIN_KEY"
 ADMIN_HEADER = "admin-key"
@@ -161,12 +163,41 @@ def backend_directory(install: TritonInstall, cache_root: Path | None = None) ->
     return target
 
 
-def free_ports(count: int) -> list[int]:
-    """`count` distinct TCP ports that are free right now (all held open until all are chosen)."""
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+def ephemeral_ports() -> range:
+    """The kernel's range for port-0 binds and outgoing connections (Linux's default where unreadable)."""
     try:
-        for sock in sockets:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports that are free right now, drawn at random below the ephemeral range.
+
+    A port the kernel hands out (bind to port 0) can be handed out again, to another process's listener
+    or outgoing connection, before the server binds it (tritonserver binds after loading its models);
+    one below that range is only ever taken by name. All stay bound until all are chosen.
+    """
+    ephemeral = ephemeral_ports()
+    below = range(FREE_PORTS_FROM, max(FREE_PORTS_FROM, ephemeral.start))
+    candidates = random.sample(below, min(len(below), 64 * count))
+    sockets: list[socket.socket] = []
+    try:
+        for port in candidates:
+            if len(sockets) == count:
+                break
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                sock.bind(("", port))
+            except OSError:
+                sock.close()
+                continue
+            sockets.append(sock)
+        while len(sockets) < count:  # no room below the ephemeral range: whatever the kernel hands out
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.bind(("", 0))
+            sockets.append(sock)
         return [sock.getsockname()[1] for sock in sockets]
     finally:
         for sock in sockets:

@@ -19,7 +19,9 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from triton_mtp.serving.server import TritonServer, TritonServerError, find_tritonserver, free_ports
+from triton_mtp.serving.server import (
+    FREE_PORTS_FROM, TritonServer, TritonServerError, ephemeral_ports, find_tritonserver, free_ports,
+)
 
 MODELS = Path(__file__).parent / "models"
 SERVER_MODELS = ("add_one", "count_stream", "numpy_version")
@@ -118,6 +120,17 @@ def test_stubs_get_one_mkl_thread_unless_the_caller_sets_it(server: TritonServer
         assert b"MKL_NUM_THREADS=1" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     monkeypatch.setenv("MKL_NUM_THREADS", "4")
     assert TritonServer(server.repository).environment(find_tritonserver())["MKL_NUM_THREADS"] == "4"
+
+
+def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> None:
+    # a port the kernel hands out for port-0 binds and outgoing connections could be taken again before
+    # tritonserver binds it, after loading its models
+    ports = free_ports(5)
+    assert len(set(ports)) == 5
+    assert all(FREE_PORTS_FROM <= port < ephemeral_ports().start for port in ports)
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", port))
 
 
 def test_port_in_use_is_named_before_starting() -> None:
