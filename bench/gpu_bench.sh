@@ -26,8 +26,8 @@
 #   export_local, triton_local  the same with `export --hops local` (spec_decode runs the workers itself;
 #               not with BENCH_REPOSITORY)
 #   profile     (only when BENCH_ONLY names it) bench/served_profile.py over the local-hops repository: py-spy
-#               samples of spec_decode's stub while one stream decodes, k = BENCH_PROFILE_K (default 0,3), with
-#               py-spy from PATH or .bundle/wheels/py_spy-*.whl: $OUT/profile/
+#               samples of spec_decode's stub while one stream decodes, k = BENCH_PROFILE_K (default 0 and 3, or
+#               the export's largest k), with py-spy from PATH or .bundle/wheels/py_spy-*.whl: $OUT/profile/
 #   standalone  bench/standalone.py: the same checkpoint in one process, steps as captured CUDA graphs,
 #               with and without speculation
 #   hf_generate bench/hf_generate.py: transformers generate(do_sample=False), the same checkpoint
@@ -259,7 +259,7 @@ if [ -d "$local_repository/spec_decode" ] && [[ " ${BENCH_ONLY:-} " == *" profil
     fi
     stub_path_on
     stage profile "${BENCH_PROFILE_S:-150}" python -m bench.served_profile "${common[@]}" --repository "$local_repository" \
-        --py-spy "$py_spy" -k "${BENCH_PROFILE_K:-0,3}" --out "$OUT/profile"
+        --py-spy "$py_spy" -k "${BENCH_PROFILE_K:-0,$((max_draft < 3 ? max_draft : 3))}" --out "$OUT/profile"
     stub_path_off
 fi
 stage standalone "${BENCH_STANDALONE_S:-75}" python -m bench.standalone "${common[@]}" --out "$stages/standalone.json" \
