@@ -26,8 +26,9 @@ from .common import environment, step_time, write_result
 SETTINGS = {"MKL default": {}, "MKL_NUM_THREADS=1": {"MKL_NUM_THREADS": "1"}}
 
 
-def measure(checkpoint: str, tokens: list[int], repeats: int) -> dict[str, float]:
-    """ms per target step of each token count, from the main thread, then from a second thread."""
+def measure(checkpoint: str, tokens: list[int], repeats: int) -> dict:
+    """ms per target step of each token count, from the main thread, then from a second thread; and the
+    MKL_NUM_THREADS this process ran under."""
     device = torch.device("cpu")
     _, target, _ = load_checkpoint(checkpoint, "fp32", device, max_slots=64, max_seq_len=261, progress=False)
     ms: dict[str, float] = {}
@@ -44,19 +45,24 @@ def measure(checkpoint: str, tokens: list[int], repeats: int) -> dict[str, float
     second = threading.Thread(target=timed, args=("second thread",))
     second.start()
     second.join()
-    return ms
+    if len(ms) != 2 * len(tokens):
+        raise RuntimeError("the second thread's steps failed (its traceback is above)")
+    return {"mkl_num_threads": os.environ.get("MKL_NUM_THREADS"), "ms": ms}
 
 
 def run(args: argparse.Namespace) -> dict:
-    results = {"benchmark": "cpu_threads", "checkpoint": args.checkpoint, "torch_threads": torch.get_num_threads(),
-               "environment": environment(), "ms": {}}
+    results = {"benchmark": "cpu_threads", "checkpoint": args.checkpoint, "tokens": args.tokens,
+               "repeats": args.repeats, "torch_threads": torch.get_num_threads(), "environment": environment(),
+               "settings": {}}
     for name, extra in SETTINGS.items():
         env = {k: v for k, v in os.environ.items() if k != "MKL_NUM_THREADS"} | extra
         done = subprocess.run([sys.executable, "-m", "bench.cpu_threads", "--checkpoint", args.checkpoint,
                                "--tokens", args.tokens, "--repeats", str(args.repeats), "--measure"],
-                              env=env, capture_output=True, text=True, check=True)
-        results["ms"][name] = json.loads(done.stdout.splitlines()[-1])
-        for case, ms in results["ms"][name].items():
+                              env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{name}: the measuring process failed:\n{done.stderr[-3000:]}")
+        results["settings"][name] = json.loads(done.stdout.splitlines()[-1])
+        for case, ms in results["settings"][name]["ms"].items():
             print(f"{name}, {case}: {ms:.2f} ms", flush=True)
     if args.out:
         write_result(args.out, results)

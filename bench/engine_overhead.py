@@ -87,8 +87,8 @@ def run(args: argparse.Namespace) -> dict:
                          DraftWorker(mtp_step, layers, len(prompts), device, dtype, greedy=timed_mtp))
     results = {"benchmark": "engine_overhead", "device": str(device), "dtype": args.dtype, "prompts": len(prompts),
                "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "graphs": args.graphs,
-               "compile": args.compile, "thread": args.thread, "moe": moe, "spec_disable_rows": args.spec_disable_rows, "overlap": args.overlap,
-               "environment": environment(), "runs": {}}
+               "max_slots": max_slots, "compile": args.compile, "thread": args.thread, "moe": moe,
+               "spec_disable_rows": args.spec_disable_rows, "overlap": args.overlap, "environment": environment(), "runs": {}}
     handle = _Drop()
     for k in draft_counts:
         profiler = torch.profiler.profile() if args.profile and k == draft_counts[-1] else contextlib.nullcontext()
@@ -102,20 +102,28 @@ def run(args: argparse.Namespace) -> dict:
         timed_target.seconds = timed_mtp.seconds = 0.0
         steps, start = 0, time.perf_counter()
 
+        stepped_on, failed = [], []
+
         def loop() -> None:
             nonlocal steps
-            with profiler:
-                while not engine.idle:
-                    engine.step()
-                    steps += 1
-                synchronize(device)
+            stepped_on.append(threading.current_thread().name)
+            try:
+                with profiler:
+                    while not engine.idle:
+                        engine.step()
+                        steps += 1
+                    synchronize(device)
+            except BaseException as exc:  # noqa: BLE001 - raised again on the main thread
+                failed.append(exc)
 
         if args.thread:  # as the served scheduler steps: not on the main thread
-            stepper = threading.Thread(target=loop)
+            stepper = threading.Thread(target=loop, name="engine-steps")
             stepper.start()
             stepper.join()
         else:
             loop()
+        if failed:
+            raise failed[0]
         total = time.perf_counter() - start
         if args.profile and k == draft_counts[-1]:
             table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
@@ -127,6 +135,7 @@ def run(args: argparse.Namespace) -> dict:
         run_result = {"steps": steps, "step_ms": 1e3 * total / steps, "target_ms": target_ms,
                       "mtp_ms": 1e3 * timed_mtp.seconds / steps, "engine_ms": 1e3 * (total - model) / steps,
                       "tokens": engine.metrics.counters["spec_decode_emitted_tokens"],
+                      "stepped_on": stepped_on[0],
                       "profiled": bool(args.profile) and k == draft_counts[-1]}  # timings then include the profiler's
         results["runs"][str(k)] = run_result
         print(f"k={k}: {steps} steps, {run_result['step_ms']:.2f} ms/step = target "

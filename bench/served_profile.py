@@ -73,10 +73,14 @@ def measure(server, pid: int, prompts: list[list[int]], k: int, args: argparse.N
     run_level(server.grpc_url, server.metrics_url, prompts, 1, 2, args.max_tokens, k)
     stop = threading.Event()
     tokens: list[int] = []
+    failed: list[BaseException] = []
 
     def load() -> None:  # one stream, request after request, until the recordings end
-        while not stop.is_set():
-            tokens.append(run_level(server.grpc_url, server.metrics_url, prompts, 1, 1, args.max_tokens, k)["output_tokens"])
+        try:
+            while not stop.is_set():
+                tokens.append(run_level(server.grpc_url, server.metrics_url, prompts, 1, 1, args.max_tokens, k)["output_tokens"])
+        except BaseException as exc:  # noqa: BLE001 - raised again below: a profile of an idle stub is no result
+            failed.append(exc)
 
     before = server_counters(server.metrics_url)
     start = time.perf_counter()
@@ -87,6 +91,8 @@ def measure(server, pid: int, prompts: list[list[int]], k: int, args: argparse.N
     finally:
         stop.set()
         thread.join()
+    if failed:
+        raise failed[0]
     wall = time.perf_counter() - start
     after = server_counters(server.metrics_url)
     return {"tokens_per_s": sum(tokens) / wall, "step_ms": step_phases_ms(before, after), "wall_s": wall,
@@ -94,7 +100,7 @@ def measure(server, pid: int, prompts: list[list[int]], k: int, args: argparse.N
             "profiles": summary}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--repository", required=True)
@@ -106,7 +112,7 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from triton_mtp.serving.server import TritonServer, free_ports

@@ -320,7 +320,7 @@ class TritonServer:
     def environment(self, install: TritonInstall) -> dict[str, str]:
         env = dict(os.environ)
         # With local hops the engine's CPU model calls run on the scheduler's thread, where MKL's own threading
-        # made a 5-token verify 3x slower than one MKL thread does (bench/cpu_threads.py); torch's intra-op
+        # made a 5-token verify 2-4x slower than one MKL thread does (bench/cpu_threads.py); torch's intra-op
         # threads still split the other ops. A value set by the caller wins.
         env.setdefault("MKL_NUM_THREADS", "1")
         libs = [str(install.libs), interpreter_libdir(), env.get("LD_LIBRARY_PATH")]

@@ -192,7 +192,7 @@ def test_engine_overhead_steps_the_same_on_a_second_thread(tmp_path):
                           *flags, "--out", str(out))
         assert done.returncode == 0, done.stderr[-3000:]
         result = json.loads(out.read_text())
-        assert result["thread"] == (where == "thread")
+        assert {r["stepped_on"] for r in result["runs"].values()} == {"engine-steps" if flags else "MainThread"}
         runs[where] = {k: (r["steps"], r["tokens"]) for k, r in result["runs"].items()}
     assert runs["main"]["0"] == (12, 12)
     assert runs["thread"] == runs["main"]  # greedy fp32: the same steps and tokens wherever the loop runs
@@ -203,7 +203,7 @@ def test_cpu_threads_bench_times_each_setting_from_both_threads(tmp_path):
     done = run_module("bench.cpu_threads", "--checkpoint", str(REPO / "models" / "tiny-dsv3-mtp"), "--tokens", "1,5",
                       "--repeats", "2", "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
-    ms = json.loads(out.read_text())["ms"]
+    settings = json.loads(out.read_text())["settings"]
     cases = {f"{where} thread, {T} token(s)" for where in ("main", "second") for T in (1, 5)}
-    assert set(ms) == {"MKL default", "MKL_NUM_THREADS=1"}
-    assert all(set(times) == cases and all(t > 0 for t in times.values()) for times in ms.values())
+    assert {name: s["mkl_num_threads"] for name, s in settings.items()} == {"MKL default": None, "MKL_NUM_THREADS=1": "1"}
+    assert all(set(s["ms"]) == cases and all(t > 0 for t in s["ms"].values()) for s in settings.values())

@@ -1,6 +1,7 @@
 """The embedded tritonserver launcher and `triton-mtp serve`, against a real server."""
 from __future__ import annotations
 
+import os
 import queue
 import re
 import shutil
@@ -116,8 +117,9 @@ def test_stub_imports_this_environments_numpy_below_2(server: TritonServer) -> N
 def test_stubs_get_one_mkl_thread_unless_the_caller_sets_it(server: TritonServer, monkeypatch: pytest.MonkeyPatch) -> None:
     stubs = stub_pids(server.repository)
     assert stubs
+    expected = f"MKL_NUM_THREADS={os.environ.get('MKL_NUM_THREADS', '1')}".encode()  # the server got this process's
     for pid in stubs:  # CPU steps on the engine's thread: bench/cpu_threads.py
-        assert b"MKL_NUM_THREADS=1" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert expected in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     monkeypatch.setenv("MKL_NUM_THREADS", "4")
     assert TritonServer(server.repository).environment(find_tritonserver())["MKL_NUM_THREADS"] == "4"
 
@@ -125,6 +127,8 @@ def test_stubs_get_one_mkl_thread_unless_the_caller_sets_it(server: TritonServer
 def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> None:
     # a port the kernel hands out for port-0 binds and outgoing connections could be taken again before
     # tritonserver binds it, after loading its models
+    if ephemeral_ports().start - FREE_PORTS_FROM < 64:
+        pytest.skip(f"this host's ephemeral range starts at {ephemeral_ports().start}: free_ports takes kernel-assigned ports")
     ports = free_ports(5)
     assert len(set(ports)) == 5
     assert all(FREE_PORTS_FROM <= port < ephemeral_ports().start for port in ports)
