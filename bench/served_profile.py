@@ -24,19 +24,6 @@ from .triton_bench import run_level, server_counters, step_phases_ms
 MODES = {"idle": ["--idle"], "gil": ["--gil"], "native": ["--native"]}
 
 
-def stub_pid(server_pid: int, model: str) -> int:
-    """The Python backend stub of `model` among the server's children."""
-    for status in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            argv = status.read_bytes().split(b"\0")
-            parent = int((status.parent / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        if parent == server_pid and argv[0].endswith(b"triton_python_backend_stub") and f"/{model}/".encode() in argv[1]:
-            return int(status.parent.name)
-    raise RuntimeError(f"no stub process of {model} under server pid {server_pid}")
-
-
 def top_frames(raw: Path, count: int = 25) -> dict:
     """Per thread: its samples, and the frames with the most samples inclusive (on the stack) and self
     (innermost), from py-spy's folded stacks ("thread;frame;frame N")."""
@@ -124,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         server.start()
         stack.callback(server.stop, 5.0)
         server.wait_ready(900)
-        pid = stub_pid(server.process.pid, "spec_decode")
+        pid = server.stub_pid("spec_decode")
         result = {"benchmark": "served_profile", "environment": environment(), "by_k": {}}
         for k in [int(k) for k in args.draft_tokens.split(",")]:
             result["by_k"][str(k)] = level = measure(server, pid, prompts, k, args, out)

@@ -404,6 +404,24 @@ class TritonServer:
         signal_group(group, signal.SIGKILL)  # stubs that outlived the server
         return code
 
+    def stub_pid(self, model: str) -> int:
+        """The Python backend stub serving `model`, from /proc: in this server's process group, its
+        command line naming `model`'s directory of this repository."""
+        if self.process is None:
+            raise TritonServerError("server not started")
+        prefix = f"{self.repository}/{model}/".encode()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                group = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2])
+            except (OSError, IndexError, ValueError):
+                continue
+            if group == self.process.pid and argv[0].endswith(b"triton_python_backend_stub") and argv[1].startswith(prefix):
+                return int(entry.name)
+        raise TritonServerError(f"no backend stub of {model} in server {self.process.pid}")
+
     def __enter__(self) -> "TritonServer":
         self.start()
         try:

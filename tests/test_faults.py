@@ -180,22 +180,6 @@ def test_client_killed_mid_stream_frees_its_slot(server) -> None:
     assert slot_gauges(server.metrics_url)["spec_decode_free_slots"] == SLOTS
 
 
-def stub_pid(server, model: str) -> int:
-    """The backend stub of `model` in this server's process group."""
-    prefix = f"{server.repository}/{model}/".encode()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            group = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2])
-        except (OSError, IndexError, ValueError):
-            continue
-        if group == server.process.pid and argv[0].endswith(b"triton_python_backend_stub") and argv[1].startswith(prefix):
-            return int(entry.name)
-    raise AssertionError(f"no stub for {model}")
-
-
 def kill_target_mid_stream(server: TritonServer) -> Together:
     """Three plain-decoding streams of MAX_SEQ_LEN - 2 tokens (a step per token, so none finishes
     first), then SIGKILL to the `target` stub; the streams' responses once all have ended."""
@@ -204,7 +188,7 @@ def kill_target_mid_stream(server: TritonServer) -> Together:
     while slot_gauges(server.metrics_url)["spec_decode_live_sequences"] < 3:
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    os.kill(stub_pid(server, "target"), signal.SIGKILL)
+    os.kill(server.stub_pid("target"), signal.SIGKILL)
     thread.join(timeout=90)
     assert not thread.is_alive(), "an in-flight request hung"
     return together
