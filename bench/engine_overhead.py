@@ -25,6 +25,7 @@ import contextlib
 import functools
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -102,28 +103,20 @@ def run(args: argparse.Namespace) -> dict:
         timed_target.seconds = timed_mtp.seconds = 0.0
         steps, start = 0, time.perf_counter()
 
-        stepped_on, failed = [], []
-
-        def loop() -> None:
+        def loop() -> str:
             nonlocal steps
-            stepped_on.append(threading.current_thread().name)
-            try:
-                with profiler:
-                    while not engine.idle:
-                        engine.step()
-                        steps += 1
-                    synchronize(device)
-            except BaseException as exc:  # noqa: BLE001 - raised again on the main thread
-                failed.append(exc)
+            with profiler:
+                while not engine.idle:
+                    engine.step()
+                    steps += 1
+                synchronize(device)
+            return threading.current_thread().name
 
         if args.thread:  # as the served scheduler steps: not on the main thread
-            stepper = threading.Thread(target=loop, name="engine-steps")
-            stepper.start()
-            stepper.join()
+            with ThreadPoolExecutor(1, thread_name_prefix="engine-steps") as pool:
+                stepped_on = pool.submit(loop).result()  # its exception, if any, raised here
         else:
-            loop()
-        if failed:
-            raise failed[0]
+            stepped_on = loop()
         total = time.perf_counter() - start
         if args.profile and k == draft_counts[-1]:
             table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
@@ -135,7 +128,7 @@ def run(args: argparse.Namespace) -> dict:
         run_result = {"steps": steps, "step_ms": 1e3 * total / steps, "target_ms": target_ms,
                       "mtp_ms": 1e3 * timed_mtp.seconds / steps, "engine_ms": 1e3 * (total - model) / steps,
                       "tokens": engine.metrics.counters["spec_decode_emitted_tokens"],
-                      "stepped_on": stepped_on[0],
+                      "stepped_on": stepped_on,
                       "profiled": bool(args.profile) and k == draft_counts[-1]}  # timings then include the profiler's
         results["runs"][str(k)] = run_result
         print(f"k={k}: {steps} steps, {run_result['step_ms']:.2f} ms/step = target "

@@ -16,6 +16,7 @@ import contextlib
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .common import environment, held_out_prompts, write_result
@@ -60,26 +61,20 @@ def measure(server, pid: int, prompts: list[list[int]], k: int, args: argparse.N
     run_level(server.grpc_url, server.metrics_url, prompts, 1, 2, args.max_tokens, k)
     stop = threading.Event()
     tokens: list[int] = []
-    failed: list[BaseException] = []
 
     def load() -> None:  # one stream, request after request, until the recordings end
-        try:
-            while not stop.is_set():
-                tokens.append(run_level(server.grpc_url, server.metrics_url, prompts, 1, 1, args.max_tokens, k)["output_tokens"])
-        except BaseException as exc:  # noqa: BLE001 - raised again below: a profile of an idle stub is no result
-            failed.append(exc)
+        while not stop.is_set():
+            tokens.append(run_level(server.grpc_url, server.metrics_url, prompts, 1, 1, args.max_tokens, k)["output_tokens"])
 
     before = server_counters(server.metrics_url)
     start = time.perf_counter()
-    thread = threading.Thread(target=load, daemon=True)
-    thread.start()
-    try:
-        summary = profile(args.py_spy, pid, args.seconds, args.rate, out, f"k{k}")
-    finally:
-        stop.set()
-        thread.join()
-    if failed:
-        raise failed[0]
+    with ThreadPoolExecutor(1) as pool:
+        streaming = pool.submit(load)
+        try:
+            summary = profile(args.py_spy, pid, args.seconds, args.rate, out, f"k{k}")
+        finally:
+            stop.set()
+        streaming.result()  # a failed stream fails the measurement: a profile of an idle stub is no result
     wall = time.perf_counter() - start
     after = server_counters(server.metrics_url)
     return {"tokens_per_s": sum(tokens) / wall, "step_ms": step_phases_ms(before, after), "wall_s": wall,

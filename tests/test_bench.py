@@ -192,7 +192,7 @@ def test_engine_overhead_steps_the_same_on_a_second_thread(tmp_path):
                           *flags, "--out", str(out))
         assert done.returncode == 0, done.stderr[-3000:]
         result = json.loads(out.read_text())
-        assert {r["stepped_on"] for r in result["runs"].values()} == {"engine-steps" if flags else "MainThread"}
+        assert {r["stepped_on"] for r in result["runs"].values()} == {"engine-steps_0" if flags else "MainThread"}
         runs[where] = {k: (r["steps"], r["tokens"]) for k, r in result["runs"].items()}
     assert runs["main"]["0"] == (12, 12)
     assert runs["thread"] == runs["main"]  # greedy fp32: the same steps and tokens wherever the loop runs
