@@ -13,8 +13,9 @@ captured graphs.
 --graphs (CUDA) wraps the worker calls in the decode graphs the served models replay
 (`serving.graphs.GraphedTarget` / `GraphedMTP` / `GraphedDraftChain`); --compile puts the model steps
 through torch.compile first (inside the graphs, with --graphs); --overlap lets plain steps launch the
-next step's target call before reading their own (the scheduler's `overlap`; the target call is then
-not timed apart, it runs while the engine works); --thread steps on a second thread, as the served
+next step's target call before reading their own, and greedy speculative steps draft the next window on
+the device in the same launch (chained), launched ahead likewise (the scheduler's `overlap`; the model
+calls are then not timed apart, they run while the engine works); --thread steps on a second thread, as the served
 scheduler does (bench/cpu_threads.py: MKL is slower there); --profile FILE writes torch.profiler's table
 of the ops of the last k's run, by self CPU time: what the host spends per step besides the replays.
 """
@@ -83,7 +84,8 @@ def run(args: argparse.Namespace) -> dict:
         window = graphs.target_graphs(target, len(prompts), max_draft, device)
         mtp_step = graphs.mtp_graphs(mtp, layers, len(prompts), max_draft, config.hidden_size, dtype, device)
         chain = graphs.draft_chain_graphs(mtp, mtp_step, max_draft)
-    timed_target, timed_mtp = TimedStep(window, device, not args.overlap), TimedStep(chain, device)  # greedy: every MTP call is in the chain
+    # greedy: every MTP call is in the chain
+    timed_target, timed_mtp = TimedStep(window, device, not args.overlap), TimedStep(chain, device, not args.overlap)
     hops = InProcessHops(TargetWorker(timed_target, len(prompts), device),
                          DraftWorker(mtp_step, layers, len(prompts), device, dtype, greedy=timed_mtp))
     results = {"benchmark": "engine_overhead", "device": str(device), "dtype": args.dtype, "prompts": len(prompts),
@@ -125,17 +127,22 @@ def run(args: argparse.Namespace) -> dict:
             raise RuntimeError(f"k={k}: {handle.errors[0]}")
         model = timed_target.seconds + timed_mtp.seconds
         target_ms = 1e3 * timed_target.seconds / steps if timed_target.timed else None  # else counted as engine
-        run_result = {"steps": steps, "step_ms": 1e3 * total / steps, "target_ms": target_ms,
-                      "mtp_ms": 1e3 * timed_mtp.seconds / steps, "engine_ms": 1e3 * (total - model) / steps,
+        mtp_ms = 1e3 * timed_mtp.seconds / steps if timed_mtp.timed else None
+        run_result = {"steps": steps, "step_ms": 1e3 * total / steps, "target_ms": target_ms, "mtp_ms": mtp_ms,
+                      "engine_ms": 1e3 * (total - model) / steps,
                       "tokens": engine.metrics.counters["spec_decode_emitted_tokens"],
                       "stepped_on": stepped_on,
                       "profiled": bool(args.profile) and k == draft_counts[-1]}  # timings then include the profiler's
         results["runs"][str(k)] = run_result
-        print(f"k={k}: {steps} steps, {run_result['step_ms']:.2f} ms/step = target "
-              f"{'untimed' if target_ms is None else f'{target_ms:.2f}'} + mtp {run_result['mtp_ms']:.2f} + engine {run_result['engine_ms']:.2f}", flush=True)
+        print(f"k={k}: {steps} steps, {run_result['step_ms']:.2f} ms/step ({run_result['tokens'] / steps:.2f} tokens) = "
+              f"target {_ms(target_ms)} + mtp {_ms(mtp_ms)} + engine {run_result['engine_ms']:.2f}", flush=True)
     if args.out:
         write_result(args.out, results)
     return results
+
+
+def _ms(value: float | None) -> str:
+    return "untimed" if value is None else f"{value:.2f}"
 
 
 class _Drop:
@@ -171,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec-disable-rows", type=int, default=0,
                         help="steps with more live rows decode without drafts (export --spec-disable-rows)")
     parser.add_argument("--overlap", action="store_true",
-                        help="plain steps launch the next target call before reading theirs (export's default; "
-                        "the target call is then not timed apart)")
+                        help="plain steps launch the next target call before reading theirs, greedy speculative "
+                        "steps chain their drafting to it (export's default; the model calls are then not timed apart)")
     parser.add_argument("--thread", action="store_true", help="step on a second thread, as the served scheduler does")
     parser.add_argument("--profile", help="write the op table of the last k's run to this file")
     parser.add_argument("--out", help="result JSON file")

@@ -7,7 +7,8 @@
 # of time is logged and the others still run:
 #   engine      (on a GPU, only when BENCH_ONLY names it) bench/engine_overhead.py, the engine in process
 #               with its decode graphs, 1 and 32 prompts, k = 0 and 3, model steps compiled and not
-#               (BENCH_ENGINE_COMPILED=0: not compiled only), then k = 0 with --overlap: $OUT/engine/
+#               (BENCH_ENGINE_COMPILED=0: not compiled only), then k = 0 and 3 with --overlap (speculative steps
+#               chained): $OUT/engine/
 #   engine_thread  (on a GPU, only when BENCH_ONLY names it) bench/engine_overhead.py as the local-hops server
 #               steps (64 slots, --overlap, compiled with BENCH_COMPILE=1), 1 prompt, k = 0, 0, 3, on the main thread
 #               and on a second thread (--thread): $OUT/engine/served_shape_{main,thread}.json
@@ -188,7 +189,7 @@ if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" engine "* ]]; then  # on
                 --max-tokens "$max_tokens" --draft-tokens 0,3 "${moe_args[@]}" --out "$OUT/engine/graphs${compiled:+_compiled}_b$b.json"
             stage engine "${BENCH_ENGINE_S:-120}" python -m bench.engine_overhead --checkpoint "$checkpoint" \
                 --device cuda --dtype "$dtype" --graphs $compiled --overlap --prompts "$b" --prompt-tokens "$prompt_tokens" \
-                --max-tokens "$max_tokens" --draft-tokens 0 "${moe_args[@]}" \
+                --max-tokens "$max_tokens" --draft-tokens 0,3 "${moe_args[@]}" \
                 --out "$OUT/engine/graphs${compiled:+_compiled}_overlap_b$b.json"
         done
     done

@@ -22,6 +22,9 @@ drafts in this step or the next (plain rows, or drafting off under `spec_disable
 the next step's target call from its own emitted tokens, still on the device, before it reads its
 results: the device runs one call while the host emits and streams the other (SGLang's overlap
 scheduler, vLLM's async scheduling). Rows that finish meanwhile leave that call's result unread.
+Where the hops also `chain`, a step whose rows all decode greedily with drafts verifies them and drafts
+the next window on the device in one launch (the pairs it accepts go to the MTP from where they are):
+the next step needs no mtp hop, and its call can go ahead in the same way before this one is read.
 The loop is pb_utils-free: hops and response senders come in through small protocols.
 """
 from __future__ import annotations
@@ -38,6 +41,7 @@ from triton_mtp.serving.metrics import EngineMetrics
 from triton_mtp.serving.requests import (
     EngineLimits, GenerationRequest, GenerationResponse, QueueFull, TextStream, Tokenizer,
 )
+from triton_mtp.serving.sampling import GREEDY_TEMPERATURE
 from triton_mtp.serving.slots import SlotPool
 from triton_mtp.serving.workers import DraftBatch, DraftResult, PendingTarget, TargetBatch, packed_copy
 
@@ -45,11 +49,14 @@ from triton_mtp.serving.workers import DraftBatch, DraftResult, PendingTarget, T
 class Hops(Protocol):
     """The two calls a step makes; each is one process hop when served by Triton. `overlaps`: whether
     `launch_target` returns before the device has run the call, so that another can be launched first.
-    `hidden`: whether the result carries the hidden states (some row pends MTP pairs)."""
+    `hidden`: whether the result carries the hidden states (some row pends MTP pairs). `chains`: whether
+    `launch_chained` is offered (a greedy verify that drafts the next window on the device)."""
 
     overlaps: bool
+    chains: bool
 
     def launch_target(self, batch: TargetBatch, hidden: bool = True) -> PendingTarget: ...
+    def launch_chained(self, batch: TargetBatch, num_draft: torch.Tensor) -> PendingTarget: ...
     def mtp(self, batch: DraftBatch) -> DraftResult: ...
 
 
@@ -137,11 +144,13 @@ class _Sequence:
 
 @dataclass
 class _Launched:
-    """A target call in flight: its rows and the position of each row's first token in it."""
+    """A target call in flight: its rows and the position of each row's first token in it (where the host
+    knows it). A `chained` call also drafts the rows' next window; their pairs never reach the host."""
 
     pending: PendingTarget
     rows: list[_Sequence]
     starts: list[int]
+    chained: bool = False
 
 
 def _padded(values, length: int, pad: int) -> list[int]:
@@ -179,8 +188,9 @@ class Scheduler:
         `spec_disable_rows` > 0: steps with more live sequences than this decode without drafts (0: never).
         Where a batched step is bound by launches and per-row work rather than by weights, verifying
         drafts costs more than they save (docs/benchmarks.md, runs 12-13). `overlap`: launch the next
-        step's target call before reading this one's when no row drafts in either, where the hops allow it
-        (off: one call at a time)."""
+        step's target call before reading this one's when no row drafts in either, or when every row's
+        drafts come from the call before it (a chained verify, where the hops chain), where the hops allow
+        it (off: one call at a time, drafts from the mtp hop)."""
         if stream_interval < 1:
             raise ValueError(f"stream_interval: must be >= 1, got {stream_interval}")
         if spec_disable_rows < 0:
@@ -194,6 +204,7 @@ class Scheduler:
         self._stream_interval = stream_interval
         self._spec_disable_rows = spec_disable_rows
         self._overlap = overlap and hops.overlaps
+        self._chain = self._overlap and hops.chains
         self._ahead: _Launched | None = None  # the next step's target call, launched by this one
         self._cancel_checked_at = -float("inf")
         self.metrics = metrics or EngineMetrics(limits.max_draft_tokens)
@@ -277,7 +288,7 @@ class Scheduler:
             self._keep_waiting_pairs(live, [])
             self._guarded(live, lambda rows: self._complete(ahead))
         elif live:
-            drafting = [s for s in live if s.prefilled and s.num_draft > 0]
+            drafting = [s for s in live if s.prefilled and s.num_draft > 0 and not s.drafts]  # else chained
             if self._spec_disable_rows and len(live) > self._spec_disable_rows:
                 drafting = []  # their accepted pairs wait for the next step that drafts
             self._keep_waiting_pairs(live, drafting)
@@ -418,10 +429,31 @@ class Scheduler:
         batch = TargetBatch(**_row_params(rows, [not s.prefilled for s in rows]),
                             token_ids=token_ids, positions=positions, num_draft=num_draft,
                             draft_top_ids=top_ids, draft_top_probs=top_probs)
+        if self._chains(rows, [len(s.drafts) + 1 for s in rows]):
+            self._complete(self._launch_chained(rows, batch, starts))
+            return
         hidden = any(s.request.num_draft_tokens for s in rows)  # rows that pend MTP pairs need the hidden states
         pending = self._timed("target", self._hops.launch_target, batch, hidden)
         self.metrics.hop()
         self._complete(_Launched(pending, rows, starts))
+
+    def _chains(self, rows: list[_Sequence], emitted: list[int]) -> bool:
+        """Whether a target call over `rows` can draft their next window on the device: every row decodes
+        greedily with drafts and has no MTP pairs waiting, drafting is on at this many rows, and each row
+        still drafts its full num_draft_tokens after the calls before that window emit `emitted` (at most)
+        of its tokens, so the host need not know how many they emit."""
+        if not self._chain or self._spec_disable_rows and len(rows) > self._spec_disable_rows:
+            return False
+        return all(s.prefilled and s.drafts and not s.absorb_tokens and s.request.temperature < GREEDY_TEMPERATURE
+                   and s.request.max_tokens - len(s.output_ids) - n - 1 >= s.request.num_draft_tokens
+                   for s, n in zip(rows, emitted))
+
+    def _launch_chained(self, rows: list[_Sequence], batch: TargetBatch, starts: list[int]) -> _Launched:
+        num_draft = torch.tensor([s.request.num_draft_tokens for s in rows], dtype=torch.int64)  # [B] the next window's
+        pending = self._timed("target", self._hops.launch_chained, batch, num_draft)
+        self.metrics.hop()  # a target call and an mtp call in one launch
+        self.metrics.hop()
+        return _Launched(pending, rows, starts, chained=True)
 
     def _complete(self, call: _Launched) -> None:
         """Launch the next step's call first when it can go ahead, then read `call`'s results and accept them
@@ -433,12 +465,14 @@ class Scheduler:
         num_accepted, output_ids, logprobs = (result.num_accepted.tolist(), result.output_ids.tolist(),
                                               result.logprobs.tolist())  # [B], [B][K+1], [B][K+1]
         self._last_hidden = hop = _StepHidden(result.hidden)  # [B, T, H]
+        next_drafts = result.draft_ids.tolist() if call.chained else None  # [B][K']: the next window's drafts
         live = set(self._live)
         for b, s in enumerate(call.rows):
             if s not in live:  # finished or failed while the call ran
                 continue
             try:
-                self._accept(s, num_accepted[b], output_ids[b], logprobs[b], hop, b, call.starts[b])
+                self._accept(s, num_accepted[b], output_ids[b], logprobs[b], hop, b, call.starts[b],
+                             next_drafts and next_drafts[b][: s.request.num_draft_tokens])
             except Exception as exc:  # noqa: BLE001 - this request alone fails
                 self._fail(s, f"spec_decode: {type(exc).__name__}: {exc}")
 
@@ -448,11 +482,15 @@ class Scheduler:
         drafts for none of them (plain rows, or more rows than `spec_disable_rows`) and no request waits for
         a slot. Rows that certainly finish with `call` (max_tokens) are left out; those that stop on EOS or a
         stop word get a call whose result is never read."""
-        if not self._overlap or any(s.drafts for s in call.rows):
+        if not self._overlap:
             return None
         with self._cond:
             if self._waiting:  # it is admitted once the rows run one call at a time again
                 return None
+        if call.chained:
+            return self._chain_ahead(call)
+        if any(s.drafts for s in call.rows):
+            return None
         index = [b for b, s in enumerate(call.rows) if len(s.output_ids) + 1 < s.request.max_tokens]
         rows = [call.rows[b] for b in index]
         drafting_off = self._spec_disable_rows and len(rows) > self._spec_disable_rows
@@ -473,9 +511,28 @@ class Scheduler:
         self.metrics.hop()
         return _Launched(pending, rows, starts)
 
+    def _chain_ahead(self, call: _Launched) -> _Launched | None:
+        """The next chained call over `call`'s rows still live, launched with the window `call` drafts as its
+        input before it reaches the host, when each row still drafts in full after both calls."""
+        live = set(self._live)
+        index = [b for b, s in enumerate(call.rows) if s in live]
+        rows = [call.rows[b] for b in index]
+        # `call` emits at most len(drafts) + 1 tokens, the next call num_draft_tokens + 1
+        if not rows or not self._chains(rows, [len(s.drafts) + s.request.num_draft_tokens + 2 for s in rows]):
+            return None
+        token_ids, positions = call.pending.next_ids, call.pending.next_positions  # [B, K'+1] x2 on the device
+        if len(rows) < len(call.rows):
+            (kept,) = packed_copy([torch.tensor(index)], token_ids.device)  # [B'] without waiting for the device
+            token_ids, positions = token_ids.index_select(0, kept), positions.index_select(0, kept)  # [B', K'+1] x2
+        num_draft = torch.tensor([s.request.num_draft_tokens for s in rows], dtype=torch.int64)  # [B']
+        batch = TargetBatch(**_row_params(rows, [False] * len(rows)), token_ids=token_ids, positions=positions,
+                            num_draft=num_draft)
+        return self._launch_chained(rows, batch, [-1] * len(rows))  # where each window starts: on the device
+
     def _accept(self, s: _Sequence, num_accepted: int, output_ids: list[int], logprobs: list[float],
-                hop: _StepHidden, row: int, start: int) -> None:
-        """Record one target result for one sequence, row `row` of the hop; output_ids [K+1], logprobs [K+1]."""
+                hop: _StepHidden, row: int, start: int, next_drafts: list[int] | None = None) -> None:
+        """Record one target result for one sequence, row `row` of the hop; output_ids [K+1], logprobs [K+1].
+        `next_drafts`: the next window's drafts where the call chained (its pairs went to the MTP on the device)."""
         new_ids = output_ids[: num_accepted + 1]
         new_logprobs = logprobs[: num_accepted + 1]
         if s.prefilled:
@@ -490,9 +547,9 @@ class Scheduler:
         else:
             pairs = (s.tokens[1:] + new_ids[:1], (hop, row, len(s.tokens)), 0)  # the shifted prompt
             s.prefilled = True
-        if s.request.num_draft_tokens:
+        if s.request.num_draft_tokens and next_drafts is None:
             s.pend(*pairs)
-        s.drafts, s.draft_top_ids, s.draft_top_probs = [], None, None
+        s.drafts, s.draft_top_ids, s.draft_top_probs = next_drafts or [], None, None
         self.metrics.emitted(self._emit(s, new_ids, new_logprobs))
         if s.finish_reason:
             self._finish(s)

@@ -188,6 +188,29 @@ def draft_chain(mtp: MTPStep, num_layers: int, token_ids: torch.Tensor, hidden: 
     return torch.where(keep, draft_ids, 0)
 
 
+def accepted_pairs(output_ids: torch.Tensor, num_accepted: torch.Tensor, hidden: torch.Tensor,
+                   positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The MTP pairs (t_{i+1}, h_i) a verified decode window leaves, where they are: token_ids [B, K+1] (the
+    emitted tokens output_ids [B, K+1]), hidden [B, K+1, H] (the window's hidden [B, K+1, H]) and positions
+    [B, K+1] (i from the window's first position, -1 past the row's num_accepted [B] + 1 emitted tokens)."""
+    B, W = output_ids.shape
+    offsets = torch.arange(W, device=output_ids.device)  # [K+1]
+    pair_positions = torch.where(offsets <= num_accepted.view(B, 1), positions[:, :1] + offsets, -1)  # [B, K+1]
+    return output_ids.clamp(min=0), hidden[:, :W], pair_positions
+
+
+def next_window(output_ids: torch.Tensor, num_accepted: torch.Tensor, positions: torch.Tensor,
+                draft_ids: torch.Tensor, num_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verify window after a decode window, where it is: token_ids [B, K'+1] (the last emitted token of
+    output_ids [B, K+1], then draft_ids [B, K']) at positions [B, K'+1] (after the num_accepted [B] + 1
+    emitted tokens; -1 past num_draft [B] drafts), as the scheduler builds it on the host."""
+    B, K = draft_ids.shape
+    last = output_ids.gather(1, num_accepted.view(B, 1))  # [B, 1]
+    start = positions[:, :1] + num_accepted.view(B, 1) + 1  # [B, 1]
+    offsets = torch.arange(K + 1, device=draft_ids.device)  # [K'+1]
+    return torch.cat([last, draft_ids], 1), torch.where(offsets <= num_draft.view(B, 1), start + offsets, -1)
+
+
 class _Payload:
     """Tensor fields <-> numpy arrays named by field; an absent optional field is None."""
 
@@ -263,6 +286,7 @@ class TargetResult(_Payload):
     num_accepted: torch.Tensor  # [B] int64
     logprobs: torch.Tensor  # [B, K+1] float32: log p(output token) under the unprocessed target
     hidden: torch.Tensor | None = None  # [B, T, H] float32: target hidden after model.norm, per window position
+    draft_ids: torch.Tensor | None = None  # [B, K'] the next window's drafts, where a chained call drafted them
 
 
 @dataclass
@@ -323,6 +347,11 @@ class TargetWorker:
     @torch.no_grad()
     def verify(self, batch: TargetBatch) -> TargetResult:
         """The result's tensors may be the decode graph's buffers: read them before the next call."""
+        return self.launch(batch)[0]
+
+    @torch.no_grad()
+    def launch(self, batch: TargetBatch) -> tuple[TargetResult, TargetBatch]:
+        """`verify`, also returning the batch as moved to the device (its tensors for work chained on)."""
         # Decisions on the host copies, before the batch moves: no device sync for them.
         _check_slots(batch.slot_ids, self._max_slots)
         all_greedy = bool(batch.sampling().greedy.all())
@@ -335,7 +364,7 @@ class TargetWorker:
         if not all_greedy:
             num_accepted, output_ids = self._verify_sampled(batch, window_logits, draft_ids, draft_lengths, generators)
             logprobs = emitted_logprobs(window_logits, output_ids)  # [B, K+1]
-        return TargetResult(output_ids, num_accepted, logprobs, hidden)
+        return TargetResult(output_ids, num_accepted, logprobs, hidden), batch
 
     @staticmethod
     def _verify_sampled(batch: TargetBatch, window_logits: torch.Tensor, draft_ids: torch.Tensor,
@@ -412,6 +441,15 @@ class DraftWorker:
         draft_ids = draft_chain(self._mtp, self._num_layers, *inputs, K, pick)  # [B, K]
         return DraftResult(draft_ids, torch.stack(top_ids, 1), torch.stack(top_probs, 1).float())  # [B, K, N] x2
 
+    @torch.no_grad()
+    def draft_after(self, result: TargetResult, verified: TargetBatch, num_draft: torch.Tensor, K: int) -> torch.Tensor:
+        """draft_ids [B, K] by argmax, from a greedy verify's result on the device without the host: absorb the
+        pairs it accepted (`accepted_pairs`), then draft num_draft [B] (on the device, at most K) tokens per row.
+        `verified` is the verified batch on the device."""
+        token_ids, hidden, positions = accepted_pairs(result.output_ids, result.num_accepted, result.hidden,
+                                                      verified.positions)  # [B, W], [B, W, H], [B, W]
+        return self._greedy(token_ids, hidden.to(self._dtype), positions, verified.slot_ids, num_draft, K)
+
 
 class PendingTarget:
     """A target call's result on its way to the host (`TargetWorker.verify` launches the call; this copies its
@@ -421,13 +459,16 @@ class PendingTarget:
     it keeps the device busy while the host reads this one. `next_ids` [B, 1] are the tokens the call
     emits first, where it made them: a call launched before `result()` takes them as input without a round
     trip. They may be a decode graph's buffer, valid until the next target call. `hidden=False` leaves the
-    hidden states on the device (None in the result) when no row pends MTP pairs.
+    hidden states on the device (None in the result) when no row pends MTP pairs. A chained call (`window`:
+    the next verify window it drafted, `next_window`) offers that window instead: `next_ids` [B, K'+1] at
+    `next_positions` [B, K'+1], on the device.
     """
 
-    def __init__(self, result: TargetResult, hidden: bool = True) -> None:
-        self.next_ids = result.output_ids[:, :1]  # [B, 1]
+    def __init__(self, result: TargetResult, hidden: bool = True,
+                 window: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        self.next_ids, self.next_positions = window or (result.output_ids[:, :1], None)  # [B, 1] or [B, K'+1] x2
         fields = {"output_ids": result.output_ids, "num_accepted": result.num_accepted, "logprobs": result.logprobs,
-                  "hidden": result.hidden if hidden else None}
+                  "hidden": result.hidden if hidden else None, "draft_ids": result.draft_ids}
         self._names = [name for name, t in fields.items() if t is not None]
         source = result.output_ids.device
         self._host = packed_copy([fields[name] for name in self._names], torch.device("cpu"), non_blocking=True)
@@ -444,15 +485,28 @@ class PendingTarget:
 
 class InProcessHops:
     """The scheduler's hops served by workers in this process (no server, same code path). Target calls
-    return before the device finishes them (`overlaps`), so the engine can launch the next one first."""
+    return before the device finishes them (`overlaps`), so the engine can launch the next one first, and
+    a greedy verify can draft the next window on the device before the host reads it (`chains`)."""
 
-    overlaps = True
+    overlaps = chains = True
 
     def __init__(self, target: TargetWorker, draft: DraftWorker | None) -> None:
         self._target, self._draft = target, draft
 
     def launch_target(self, batch: TargetBatch, hidden: bool = True) -> PendingTarget:
         return PendingTarget(self._target.verify(batch), hidden)
+
+    def launch_chained(self, batch: TargetBatch, num_draft: torch.Tensor) -> PendingTarget:
+        """Verify `batch` (greedy rows that all drafted, pairs absorbed), then, on the device, absorb the pairs
+        it accepts into the MTP caches and draft num_draft [B] tokens per row for the next window, offered
+        as the pending call's `next_ids` / `next_positions`; the drafts also come back as `draft_ids`."""
+        if self._draft is None:
+            raise RuntimeError("mtp: the checkpoint has no MTP layers")
+        result, verified = self._target.launch(batch)
+        (next_draft,) = packed_copy([num_draft], verified.token_ids.device)  # [B]
+        draft_ids = self._draft.draft_after(result, verified, next_draft, int(num_draft.max()))  # [B, K']
+        window = next_window(result.output_ids, result.num_accepted, verified.positions, draft_ids, next_draft)
+        return PendingTarget(dataclasses.replace(result, draft_ids=draft_ids), hidden=False, window=window)
 
     def mtp(self, batch: DraftBatch) -> DraftResult:
         if self._draft is None:

@@ -344,19 +344,25 @@ def test_eos_stops_the_sequence_before_max_tokens(models):
 
 
 class _TracedHops:
-    """In-process hops that log when each target call is launched and when its result is read."""
+    """In-process hops that log when each target call is launched (chained or not) and when its result is read."""
 
-    overlaps = True
+    overlaps = chains = True
 
     def __init__(self, hops: InProcessHops) -> None:
         self.hops, self.mtp, self.log = hops, hops.mtp, []
 
     def launch_target(self, batch, hidden=True):
-        n, pending, log = sum(event == "launch" for event, _ in self.log), self.hops.launch_target(batch, hidden), self.log
-        log.append(("launch", n))
+        return self._traced(self.hops.launch_target(batch, hidden), "launch")
+
+    def launch_chained(self, batch, num_draft):
+        return self._traced(self.hops.launch_chained(batch, num_draft), "chained")
+
+    def _traced(self, pending, event: str):
+        n, log = sum(e != "read" for e, _ in self.log), self.log
+        log.append((event, n))
 
         class Traced:
-            next_ids = pending.next_ids
+            next_ids, next_positions = pending.next_ids, pending.next_positions
 
             def result(self):
                 log.append(("read", n))
@@ -364,11 +370,14 @@ class _TracedHops:
 
         return Traced()
 
+    def chained(self) -> int:
+        return sum(event == "chained" for event, _ in self.log)
+
     def launched_ahead(self) -> int:
         """Calls launched while an earlier one was still unread."""
         unread, ahead = set(), 0
         for event, n in self.log:
-            if event == "launch":
+            if event != "read":
                 ahead += bool(unread)
                 unread.add(n)
             else:
@@ -835,3 +844,43 @@ def test_a_pending_target_result_reads_its_own_call_while_later_ones_reuse_the_p
             assert (result.hidden is None) == (n_read % 2 == 1)
             if result.hidden is not None:
                 assert torch.equal(result.hidden, torch.full((3, 2, 8), float(n_read)))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_chained_steps_draft_on_the_device_what_the_mtp_hop_drafts(models, k):
+    """Greedy rows with drafts verify and draft their next window in one chained launch, the next launched
+    before the host reads the one before. Their output equals plain decoding, and each row's drafts equal
+    those the mtp hop drafts one call at a time (the same accepted count at every position): the pairs the
+    device absorbs and the windows it builds are the host's. Rows end on EOS and max_tokens, late requests
+    join, and every slot is free at the end."""
+    batch = prompts(6, seed=21)
+    plain = [h.final.output_ids for h in run(scheduler(models), [GenerationRequest(p, 16 + 3 * n)
+                                                                 for n, p in enumerate(batch)])]
+    eos = plain[1][9]
+
+    def serve(overlap: bool):
+        target, mtp = models
+        hops = _TracedHops(InProcessHops(TargetWorker(verify_window(target), MAX_SLOTS),
+                                         DraftWorker(mtp, NUM_MTP_LAYERS, MAX_SLOTS)))
+        engine = Scheduler(hops, limits(eos_token_id=eos), overlap=overlap)
+        handles = [Collect() for _ in batch]
+        requests = [GenerationRequest(p, 16 + 3 * n, num_draft_tokens=k) for n, p in enumerate(batch)]
+        for request, handle in zip(requests[:4], handles):
+            engine.submit(request, handle)
+        for _ in range(4):
+            engine.step()
+        for request, handle in zip(requests[4:], handles[4:]):
+            engine.submit(request, handle)
+        engine.run_until_idle()
+        assert engine.slots.num_free == MAX_SLOTS
+        return [h.final for h in handles], hops
+
+    (expected, one_at_a_time), (got, chained) = serve(False), serve(True)
+    cut = [ids[: ids.index(eos)] if eos in ids else ids for ids in plain]
+    assert [r.output_ids for r in got] == [r.output_ids for r in expected] == cut
+    assert [r.finish_reason for r in got] == [r.finish_reason for r in expected]
+    assert {r.finish_reason for r in got} == {"stop", "length"}
+    assert [r.accepted_per_position for r in got] == [r.accepted_per_position for r in expected]
+    assert [r.total_draft_tokens for r in got] == [r.total_draft_tokens for r in expected]
+    assert 0 < sum(r.total_accepted_draft_tokens for r in got) < sum(r.total_draft_tokens for r in got)
+    assert one_at_a_time.chained() == 0 and chained.chained() > 5 and chained.launched_ahead() > 3
