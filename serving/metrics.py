@@ -21,6 +21,10 @@ COUNTERS = {
     "spec_decode_num_accepted_tokens": "Draft tokens accepted by the target",
     "spec_decode_num_accepted_tokens_per_pos": "Draft tokens accepted, by draft position",
     "spec_decode_hops": "Calls from spec_decode into the target and mtp workers (BLS calls, or in process with local hops)",
+    "spec_decode_calls_ahead": "Target calls launched before the previous step's result was read (overlapped steps, "
+                               "local hops)",
+    "spec_decode_chained_calls": "Target calls that also drafted the next window on the device (chained speculative "
+                                 "steps, local hops)",
     "spec_decode_emitted_tokens": "Tokens emitted to requests",
     "spec_decode_finished_requests": "Requests finished, by finish_reason (length, stop, cancelled), error or timeout",
     "spec_decode_steps": "Engine steps (one pass over every live sequence)",
@@ -91,6 +95,11 @@ class EngineMetrics:
 
     def hop(self) -> None:
         self._add("spec_decode_hops", 1)
+
+    def launched(self, chained: bool, ahead: bool) -> None:
+        """A target call: `chained` drafts the next window too, `ahead` goes before the previous result is read."""
+        self._add("spec_decode_chained_calls", int(chained))
+        self._add("spec_decode_calls_ahead", int(ahead))
 
     def emitted(self, num_tokens: int) -> None:
         self._add("spec_decode_emitted_tokens", num_tokens)

@@ -430,11 +430,12 @@ class Scheduler:
                             token_ids=token_ids, positions=positions, num_draft=num_draft,
                             draft_top_ids=top_ids, draft_top_probs=top_probs)
         if self._chains(rows, [len(s.drafts) + 1 for s in rows]):
-            self._complete(self._launch_chained(rows, batch, starts))
+            self._complete(self._launch_chained(rows, batch, starts, ahead=False))
             return
         hidden = any(s.request.num_draft_tokens for s in rows)  # rows that pend MTP pairs need the hidden states
         pending = self._timed("target", self._hops.launch_target, batch, hidden)
         self.metrics.hop()
+        self.metrics.launched(chained=False, ahead=False)
         self._complete(_Launched(pending, rows, starts))
 
     def _chains(self, rows: list[_Sequence], emitted: list[int]) -> bool:
@@ -448,11 +449,12 @@ class Scheduler:
                    and s.request.max_tokens - len(s.output_ids) - n - 1 >= s.request.num_draft_tokens
                    for s, n in zip(rows, emitted))
 
-    def _launch_chained(self, rows: list[_Sequence], batch: TargetBatch, starts: list[int]) -> _Launched:
+    def _launch_chained(self, rows: list[_Sequence], batch: TargetBatch, starts: list[int], ahead: bool) -> _Launched:
         num_draft = torch.tensor([s.request.num_draft_tokens for s in rows], dtype=torch.int64)  # [B] the next window's
         pending = self._timed("target", self._hops.launch_chained, batch, num_draft)
         self.metrics.hop()  # a target call and an mtp call in one launch
         self.metrics.hop()
+        self.metrics.launched(chained=True, ahead=ahead)
         return _Launched(pending, rows, starts, chained=True)
 
     def _complete(self, call: _Launched) -> None:
@@ -509,6 +511,7 @@ class Scheduler:
         hidden = any(s.request.num_draft_tokens for s in rows)  # their pairs wait for a step that drafts
         pending = self._timed("target", self._hops.launch_target, batch, hidden)
         self.metrics.hop()
+        self.metrics.launched(chained=False, ahead=True)
         return _Launched(pending, rows, starts)
 
     def _chain_ahead(self, call: _Launched) -> _Launched | None:
@@ -527,7 +530,7 @@ class Scheduler:
         num_draft = torch.tensor([s.request.num_draft_tokens for s in rows], dtype=torch.int64)  # [B']
         batch = TargetBatch(**_row_params(rows, [False] * len(rows)), token_ids=token_ids, positions=positions,
                             num_draft=num_draft)
-        return self._launch_chained(rows, batch, [-1] * len(rows))  # where each window starts: on the device
+        return self._launch_chained(rows, batch, [-1] * len(rows), ahead=True)  # where each window starts: on the device
 
     def _accept(self, s: _Sequence, num_accepted: int, output_ids: list[int], logprobs: list[float],
                 hop: _StepHidden, row: int, start: int, next_drafts: list[int] | None = None) -> None:

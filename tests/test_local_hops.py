@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import re
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,30 @@ def test_sampled_output_with_a_seed_equals_the_bls_engine(local, bls):
         ours, theirs = local.generate(**request), bls.generate(**request)
         assert ours.ids == theirs.ids, request
         assert ours.acceptance.accepted_draft_tokens == theirs.acceptance.accepted_draft_tokens
+
+
+def chaining_counters(metrics_url: str) -> tuple[float, float]:
+    """(chained target calls, calls launched ahead) from the server's metrics endpoint."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    return tuple(float(re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE).group(1))
+                 for name in ("spec_decode_chained_calls", "spec_decode_calls_ahead"))
+
+
+def test_greedy_speculative_steps_chain_through_the_server_and_sampled_ones_do_not(triton_server_for, local_repository,
+                                                                                    local):
+    """A greedy request with drafts verifies and drafts in chained calls, launched ahead of the host; a sampled
+    one drafts through the mtp hop (its draws come between the MTP calls), so it chains none."""
+    metrics_url = triton_server_for(local_repository).metrics_url
+    before = chaining_counters(metrics_url)
+    outputs = [local.generate(input_ids=prompt, max_tokens=24, num_draft_tokens=2) for prompt in prompts(4, seed=0)]
+    greedy = chaining_counters(metrics_url)
+    for i, prompt in enumerate(prompts(4, seed=0)):
+        local.generate(input_ids=prompt, max_tokens=24, num_draft_tokens=2, temperature=0.8, seed=i)
+    sampled = chaining_counters(metrics_url)
+    assert sum(len(o.ids) for o in outputs) >= 40, "outputs long enough to chain"
+    assert greedy[0] - before[0] >= 10 and greedy[1] - before[1] >= 6, (before, greedy)
+    assert sampled[0] == greedy[0], (greedy, sampled)
 
 
 def test_concurrent_streams_equal_the_same_requests_one_by_one(local):

@@ -873,6 +873,9 @@ def test_chained_steps_draft_on_the_device_what_the_mtp_hop_drafts(models, k):
             engine.submit(request, handle)
         engine.run_until_idle()
         assert engine.slots.num_free == MAX_SLOTS
+        counters = engine.metrics.counters
+        assert (counters["spec_decode_chained_calls"], counters["spec_decode_calls_ahead"]) == \
+            (hops.chained(), hops.launched_ahead())
         return [h.final for h in handles], hops
 
     (expected, one_at_a_time), (got, chained) = serve(False), serve(True)
