@@ -482,13 +482,13 @@ class Scheduler:
         """The next step's target call over `call`'s rows, launched with the tokens `call` emits as its input
         before they reach the host, when `call` verified no drafts (each row emits one token), the next step
         drafts for none of them (plain rows, or more rows than `spec_disable_rows`) and no request waits for
-        a slot. Rows that certainly finish with `call` (max_tokens) are left out; those that stop on EOS or a
+        a free slot. Rows that certainly finish with `call` (max_tokens) are left out; those that stop on EOS or a
         stop word get a call whose result is never read."""
         if not self._overlap:
             return None
         with self._cond:
-            if self._waiting:  # it is admitted once the rows run one call at a time again
-                return None
+            if self._waiting and self.slots.num_free:  # admitted once the rows run one call at a time again
+                return None  # (with every slot busy, it waits whether or not this call goes ahead)
         if call.chained:
             return self._chain_ahead(call)
         if any(s.drafts for s in call.rows):

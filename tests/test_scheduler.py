@@ -373,16 +373,20 @@ class _TracedHops:
     def chained(self) -> int:
         return sum(event == "chained" for event, _ in self.log)
 
+    def log_launches(self) -> list[tuple[str, int]]:
+        """Each launch in order: ("ahead", n) when an earlier call was still unread, else ("alone", n)."""
+        unread, launches = set(), []
+        for event, n in self.log:
+            if event == "read":
+                unread.discard(n)
+            else:
+                launches.append(("ahead" if unread else "alone", n))
+                unread.add(n)
+        return launches
+
     def launched_ahead(self) -> int:
         """Calls launched while an earlier one was still unread."""
-        unread, ahead = set(), 0
-        for event, n in self.log:
-            if event != "read":
-                ahead += bool(unread)
-                unread.add(n)
-            else:
-                unread.discard(n)
-        return ahead
+        return sum(event == "ahead" for event, _ in self.log_launches())
 
 
 @pytest.mark.parametrize("temperature, num_draft_tokens", [(0.0, 0), (0.8, 0), (0.0, 2)])
@@ -887,3 +891,35 @@ def test_chained_steps_draft_on_the_device_what_the_mtp_hop_drafts(models, k):
     assert [r.total_draft_tokens for r in got] == [r.total_draft_tokens for r in expected]
     assert 0 < sum(r.total_accepted_draft_tokens for r in got) < sum(r.total_draft_tokens for r in got)
     assert one_at_a_time.chained() == 0 and chained.chained() > 5 and chained.launched_ahead() > 3
+
+
+@pytest.mark.parametrize("num_draft_tokens", [0, 2])
+def test_calls_go_ahead_while_requests_wait_for_a_busy_slot(models, num_draft_tokens):
+    """With every slot busy, a waiting request cannot be admitted whether or not the next call goes ahead, so
+    calls go ahead while it waits (plain and chained); it is admitted once a slot is free, and the output
+    equals one call at a time."""
+    batch = prompts(5, seed=31)
+
+    def serve(overlap: bool):
+        target, mtp = models
+        hops = _TracedHops(InProcessHops(TargetWorker(verify_window(target), MAX_SLOTS),
+                                         DraftWorker(mtp, NUM_MTP_LAYERS, MAX_SLOTS)))
+        engine = Scheduler(hops, limits(max_slots=2), overlap=overlap)
+        waiting_at_launch = []
+        launch = hops._traced
+
+        def traced(pending, event):
+            waiting_at_launch.append(len(engine._waiting))
+            return launch(pending, event)
+
+        hops._traced = traced
+        handles = run(engine, [GenerationRequest(p, 14 + 2 * n, num_draft_tokens=num_draft_tokens)
+                               for n, p in enumerate(batch)])
+        assert engine.slots.num_free == 2
+        ahead_while_waiting = sum(1 for (event, _), waiting in zip(hops.log_launches(), waiting_at_launch)
+                                  if event == "ahead" and waiting)
+        return [h.final.output_ids for h in handles], ahead_while_waiting
+
+    (expected, _), (got, ahead_while_waiting) = serve(False), serve(True)
+    assert got == expected
+    assert ahead_while_waiting >= 5
