@@ -44,6 +44,8 @@ _COUNTER = re.compile(r'^(nv_inference_request_success|nv_inference_compute_infe
                       r'\{[^}]*model="([^"]+)"[^}]*\}\s+([0-9.e+]+)', re.MULTILINE)
 _HOPS = re.compile(r'^spec_decode_hops(?:\{[^}]*\})?\s+([0-9.e+]+)', re.MULTILINE)
 _STEPS = re.compile(r'^spec_decode_steps(?:\{[^}]*\})?\s+([0-9.e+]+)', re.MULTILINE)
+_LAUNCHES = {name: re.compile(rf'^{name}(?:\{{[^}}]*\}})?\s+([0-9.e+]+)', re.MULTILINE)
+             for name in ("spec_decode_chained_calls", "spec_decode_calls_ahead")}
 _PHASES = re.compile(r'^spec_decode_step_seconds\{[^}]*phase="([^"]+)"[^}]*\}\s+([0-9.e+]+)', re.MULTILINE)
 
 
@@ -115,7 +117,8 @@ class StreamClient:
 
 def server_counters(metrics_url: str) -> dict[tuple[str, str], float]:
     """(metric, model) -> value for requests served and their compute / request microseconds, and the
-    engine's hops under (spec_decode_hops, spec_decode), from the server's Prometheus endpoint."""
+    engine's hops, steps, chained calls and calls ahead under (counter, spec_decode), from the server's
+    Prometheus endpoint."""
     with urllib.request.urlopen(metrics_url, timeout=10) as response:
         text = response.read().decode()
     counters: dict[tuple[str, str], float] = {}
@@ -123,6 +126,8 @@ def server_counters(metrics_url: str) -> dict[tuple[str, str], float]:
         counters[metric, model] = counters.get((metric, model), 0.0) + float(value)
     counters["spec_decode_hops", MODEL] = sum(float(value) for value in _HOPS.findall(text))
     counters["spec_decode_steps", MODEL] = sum(float(value) for value in _STEPS.findall(text))
+    for name, pattern in _LAUNCHES.items():
+        counters[name, MODEL] = sum(float(value) for value in pattern.findall(text))
     for phase, value in _PHASES.findall(text):
         counters["spec_decode_step_seconds", phase] = float(value)
     return counters
@@ -209,6 +214,8 @@ def run_level(url: str, metrics_url: str, prompts: list[list[int]], streams: int
         "hops": hops, "hops_per_token": hops / tokens if tokens else 0.0, "models": models,
         "steps": after["spec_decode_steps", MODEL] - before["spec_decode_steps", MODEL],
         "step_ms": step_phases_ms(before, after),
+        "chained_calls": after["spec_decode_chained_calls", MODEL] - before["spec_decode_chained_calls", MODEL],
+        "calls_ahead": after["spec_decode_calls_ahead", MODEL] - before["spec_decode_calls_ahead", MODEL],
     }
     if keep_outputs:
         result["outputs"] = outputs
