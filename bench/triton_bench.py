@@ -42,10 +42,8 @@ RESPONSE_TIMEOUT_S = 300.0
 STOP_GRACE_S = 5.0  # the stage's time limit leaves little room for a slow shutdown
 _COUNTER = re.compile(r'^(nv_inference_request_success|nv_inference_compute_infer_duration_us|nv_inference_request_duration_us)'
                       r'\{[^}]*model="([^"]+)"[^}]*\}\s+([0-9.e+]+)', re.MULTILINE)
-_HOPS = re.compile(r'^spec_decode_hops(?:\{[^}]*\})?\s+([0-9.e+]+)', re.MULTILINE)
-_STEPS = re.compile(r'^spec_decode_steps(?:\{[^}]*\})?\s+([0-9.e+]+)', re.MULTILINE)
-_LAUNCHES = {name: re.compile(rf'^{name}(?:\{{[^}}]*\}})?\s+([0-9.e+]+)', re.MULTILINE)
-             for name in ("spec_decode_chained_calls", "spec_decode_calls_ahead")}
+_ENGINE = {name: re.compile(rf'^{name}(?:\{{[^}}]*\}})?\s+([0-9.e+]+)', re.MULTILINE)
+           for name in ("spec_decode_hops", "spec_decode_steps", "spec_decode_chained_calls", "spec_decode_calls_ahead")}
 _PHASES = re.compile(r'^spec_decode_step_seconds\{[^}]*phase="([^"]+)"[^}]*\}\s+([0-9.e+]+)', re.MULTILINE)
 
 
@@ -124,9 +122,7 @@ def server_counters(metrics_url: str) -> dict[tuple[str, str], float]:
     counters: dict[tuple[str, str], float] = {}
     for metric, model, value in _COUNTER.findall(text):
         counters[metric, model] = counters.get((metric, model), 0.0) + float(value)
-    counters["spec_decode_hops", MODEL] = sum(float(value) for value in _HOPS.findall(text))
-    counters["spec_decode_steps", MODEL] = sum(float(value) for value in _STEPS.findall(text))
-    for name, pattern in _LAUNCHES.items():
+    for name, pattern in _ENGINE.items():
         counters[name, MODEL] = sum(float(value) for value in pattern.findall(text))
     for phase, value in _PHASES.findall(text):
         counters["spec_decode_step_seconds", phase] = float(value)

@@ -56,7 +56,7 @@ class Hops(Protocol):
     chains: bool
 
     def launch_target(self, batch: TargetBatch, hidden: bool = True) -> PendingTarget: ...
-    def launch_chained(self, batch: TargetBatch, num_draft: torch.Tensor) -> PendingTarget: ...
+    def launch_chained(self, batch: TargetBatch) -> PendingTarget: ...
     def mtp(self, batch: DraftBatch) -> DraftResult: ...
 
 
@@ -440,18 +440,18 @@ class Scheduler:
 
     def _chains(self, rows: list[_Sequence], emitted: list[int]) -> bool:
         """Whether a target call over `rows` can draft their next window on the device: every row decodes
-        greedily with drafts and has no MTP pairs waiting, drafting is on at this many rows, and each row
-        still drafts its full num_draft_tokens after the calls before that window emit `emitted` (at most)
-        of its tokens, so the host need not know how many they emit."""
+        greedily with its full num_draft_tokens drafts (the next window drafts as many) and has no MTP pairs
+        waiting, drafting is on at this many rows, and each row still drafts in full after the calls before
+        that window emit `emitted` (at most) of its tokens, so the host need not know how many they emit."""
         if not self._chain or self._spec_disable_rows and len(rows) > self._spec_disable_rows:
             return False
-        return all(s.prefilled and s.drafts and not s.absorb_tokens and s.request.temperature < GREEDY_TEMPERATURE
+        return all(s.prefilled and len(s.drafts) == s.request.num_draft_tokens > 0 and not s.absorb_tokens
+                   and s.request.temperature < GREEDY_TEMPERATURE
                    and s.request.max_tokens - len(s.output_ids) - n - 1 >= s.request.num_draft_tokens
                    for s, n in zip(rows, emitted))
 
     def _launch_chained(self, rows: list[_Sequence], batch: TargetBatch, starts: list[int], ahead: bool) -> _Launched:
-        num_draft = torch.tensor([s.request.num_draft_tokens for s in rows], dtype=torch.int64)  # [B] the next window's
-        pending = self._timed("target", self._hops.launch_chained, batch, num_draft)
+        pending = self._timed("target", self._hops.launch_chained, batch)
         self.metrics.hop()  # a target call and an mtp call in one launch
         self.metrics.hop()
         self.metrics.launched(chained=True, ahead=ahead)

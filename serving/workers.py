@@ -188,15 +188,19 @@ def draft_chain(mtp: MTPStep, num_layers: int, token_ids: torch.Tensor, hidden: 
     return torch.where(keep, draft_ids, 0)
 
 
+def _run_positions(start: torch.Tensor, count: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, width]: positions start [B, 1] + 0, 1, ... for count [B] + 1 tokens per row, then -1."""
+    offsets = torch.arange(width, device=start.device)  # [width]
+    return torch.where(offsets <= count.view(-1, 1), start + offsets, -1)
+
+
 def accepted_pairs(output_ids: torch.Tensor, num_accepted: torch.Tensor, hidden: torch.Tensor,
                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The MTP pairs (t_{i+1}, h_i) a verified decode window leaves, where they are: token_ids [B, K+1] (the
     emitted tokens output_ids [B, K+1]), hidden [B, K+1, H] (the window's hidden [B, K+1, H]) and positions
     [B, K+1] (i from the window's first position, -1 past the row's num_accepted [B] + 1 emitted tokens)."""
-    B, W = output_ids.shape
-    offsets = torch.arange(W, device=output_ids.device)  # [K+1]
-    pair_positions = torch.where(offsets <= num_accepted.view(B, 1), positions[:, :1] + offsets, -1)  # [B, K+1]
-    return output_ids.clamp(min=0), hidden[:, :W], pair_positions
+    W = output_ids.shape[1]
+    return output_ids.clamp(min=0), hidden[:, :W], _run_positions(positions[:, :1], num_accepted, W)  # [B, K+1]
 
 
 def next_window(output_ids: torch.Tensor, num_accepted: torch.Tensor, positions: torch.Tensor,
@@ -207,8 +211,7 @@ def next_window(output_ids: torch.Tensor, num_accepted: torch.Tensor, positions:
     B, K = draft_ids.shape
     last = output_ids.gather(1, num_accepted.view(B, 1))  # [B, 1]
     start = positions[:, :1] + num_accepted.view(B, 1) + 1  # [B, 1]
-    offsets = torch.arange(K + 1, device=draft_ids.device)  # [K'+1]
-    return torch.cat([last, draft_ids], 1), torch.where(offsets <= num_draft.view(B, 1), start + offsets, -1)
+    return torch.cat([last, draft_ids], 1), _run_positions(start, num_draft, K + 1)  # [B, K'+1] x2
 
 
 class _Payload:
@@ -496,16 +499,18 @@ class InProcessHops:
     def launch_target(self, batch: TargetBatch, hidden: bool = True) -> PendingTarget:
         return PendingTarget(self._target.verify(batch), hidden)
 
-    def launch_chained(self, batch: TargetBatch, num_draft: torch.Tensor) -> PendingTarget:
+    def launch_chained(self, batch: TargetBatch) -> PendingTarget:
         """Verify `batch` (greedy rows that all drafted, pairs absorbed), then, on the device, absorb the pairs
-        it accepts into the MTP caches and draft num_draft [B] tokens per row for the next window, offered
-        as the pending call's `next_ids` / `next_positions`; the drafts also come back as `draft_ids`."""
+        it accepts into the MTP caches and draft as many tokens per row again (batch.num_draft) for the next
+        window, offered as the pending call's `next_ids` / `next_positions`; the drafts also come back as
+        `draft_ids`."""
         if self._draft is None:
             raise RuntimeError("mtp: the checkpoint has no MTP layers")
+        K = int(batch.num_draft.max())  # on the host copy
         result, verified = self._target.launch(batch)
-        (next_draft,) = packed_copy([num_draft], verified.token_ids.device)  # [B]
-        draft_ids = self._draft.draft_after(result, verified, next_draft, int(num_draft.max()))  # [B, K']
-        window = next_window(result.output_ids, result.num_accepted, verified.positions, draft_ids, next_draft)
+        draft_ids = self._draft.draft_after(result, verified, verified.num_draft, K)  # [B, K]
+        window = next_window(result.output_ids, result.num_accepted, verified.positions, draft_ids,
+                             verified.num_draft)
         return PendingTarget(dataclasses.replace(result, draft_ids=draft_ids), hidden=False, window=window)
 
     def mtp(self, batch: DraftBatch) -> DraftResult:

@@ -350,14 +350,16 @@ class _TracedHops:
 
     def __init__(self, hops: InProcessHops) -> None:
         self.hops, self.mtp, self.log = hops, hops.mtp, []
+        self.on_launch = lambda: None  # called as each call is launched
 
     def launch_target(self, batch, hidden=True):
         return self._traced(self.hops.launch_target(batch, hidden), "launch")
 
-    def launch_chained(self, batch, num_draft):
-        return self._traced(self.hops.launch_chained(batch, num_draft), "chained")
+    def launch_chained(self, batch):
+        return self._traced(self.hops.launch_chained(batch), "chained")
 
     def _traced(self, pending, event: str):
+        self.on_launch()
         n, log = sum(e != "read" for e, _ in self.log), self.log
         log.append((event, n))
 
@@ -906,13 +908,7 @@ def test_calls_go_ahead_while_requests_wait_for_a_busy_slot(models, num_draft_to
                                          DraftWorker(mtp, NUM_MTP_LAYERS, MAX_SLOTS)))
         engine = Scheduler(hops, limits(max_slots=2), overlap=overlap)
         waiting_at_launch = []
-        launch = hops._traced
-
-        def traced(pending, event):
-            waiting_at_launch.append(len(engine._waiting))
-            return launch(pending, event)
-
-        hops._traced = traced
+        hops.on_launch = lambda: waiting_at_launch.append(len(engine._waiting))
         handles = run(engine, [GenerationRequest(p, 14 + 2 * n, num_draft_tokens=num_draft_tokens)
                                for n, p in enumerate(batch)])
         assert engine.slots.num_free == 2
