@@ -10,8 +10,9 @@
 #               (BENCH_ENGINE_COMPILED=0: not compiled only), then k = 0 and 3 with --overlap (speculative steps
 #               chained): $OUT/engine/
 #   engine_thread  (on a GPU, only when BENCH_ONLY names it) bench/engine_overhead.py as the local-hops server
-#               steps (64 slots, --overlap, compiled with BENCH_COMPILE=1), 1 prompt, k = 0, 0, 3, on the main thread
-#               and on a second thread (--thread): $OUT/engine/served_shape_{main,thread}.json
+#               steps (64 slots, --overlap, compiled with BENCH_COMPILE=1), 1 prompt, k = BENCH_ENGINE_DRAFTS (default
+#               0,0,3), on the main thread and on a second thread (--thread): $OUT/engine/served_shape_{main,thread}.json,
+#               with torch.profiler's op table of the last k's run as served_shape_{main,thread}_ops.txt
 #   load_time   (on a GPU, only when BENCH_ONLY names it) bench/load_time.py: seconds to a ready server whose
 #               graphs capture compiled steps (--compile-graphs, local hops), with and without the compile
 #               cache the export ships: $OUT/load_time.json
@@ -204,8 +205,8 @@ if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" engine_thread "* ]]; the
         [ "$where" = thread ] && thread=(--thread)
         stage engine_thread "${BENCH_ENGINE_S:-120}" python -m bench.engine_overhead --checkpoint "$checkpoint" \
             --device cuda --dtype "$dtype" --graphs "${compiled[@]}" --overlap "${thread[@]}" --prompts 1 --max-slots 64 \
-            --prompt-tokens "$prompt_tokens" --max-tokens "$max_tokens" --draft-tokens 0,0,3 "${moe_args[@]}" \
-            --out "$OUT/engine/served_shape_$where.json"
+            --prompt-tokens "$prompt_tokens" --max-tokens "$max_tokens" --draft-tokens "${BENCH_ENGINE_DRAFTS:-0,0,3}" \
+            "${moe_args[@]}" --profile "$OUT/engine/served_shape_${where}_ops.txt" --out "$OUT/engine/served_shape_$where.json"
     done
 fi
 if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" compile_parity "* ]]; then  # on request: minutes of compiling
