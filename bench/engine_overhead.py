@@ -18,6 +18,15 @@ the device in the same launch (chained), launched ahead likewise (the scheduler'
 calls are then not timed apart, they run while the engine works); --thread steps on a second thread, as the served
 scheduler does (bench/cpu_threads.py: MKL is slower there); --profile FILE writes torch.profiler's table
 of the ops of the last k's run, by self CPU time: what the host spends per step besides the replays.
+
+--null-replays (with --graphs, any device) replaces each decode graph by a replay that returns the outputs of
+its capture without running anything: steps then cost only the host's work (the engine, the workers' moves
+and the graphs' input copies), which bounds a step whose graphs run faster than the host launches them.
+Every row then emits the same tokens and drafts are never accepted, so only k = 0 is a served step's host
+work; on CPU it measures that work without a GPU. The first step (the prefill, eager) runs untimed.
+
+    python -m bench.engine_overhead --checkpoint models/tiny-dsv3-mtp --graphs --null-replays --prompts 1 \
+        --max-tokens 400 --draft-tokens 0,0,0
 """
 from __future__ import annotations
 
@@ -42,6 +51,17 @@ from triton_mtp.serving.workers import DraftWorker, InProcessHops, TargetWorker,
 from triton_mtp.train.acceptance import held_out_prompts
 
 from .common import environment, synchronize, write_result
+
+
+class NullReplay(graphs.EagerReplay):
+    """A decode graph that runs its step once, at capture, and returns those outputs on every replay."""
+
+    def __init__(self, step, example_inputs, pool=None) -> None:
+        super().__init__(step, example_inputs, pool)
+        self.outputs = super().replay()
+
+    def replay(self) -> tuple[torch.Tensor, ...]:
+        return self.outputs
 
 
 class TimedStep:
@@ -81,16 +101,17 @@ def run(args: argparse.Namespace) -> dict:
     chain = functools.partial(draft_chain, mtp, layers)
     if args.graphs:  # as the served models wrap their steps
         max_draft = max(draft_counts)
-        window = graphs.target_graphs(target, len(prompts), max_draft, device)
-        mtp_step = graphs.mtp_graphs(mtp, layers, len(prompts), max_draft, config.hidden_size, dtype, device)
-        chain = graphs.draft_chain_graphs(mtp, mtp_step, max_draft)
+        graph = NullReplay if args.null_replays else graphs.CapturedStep
+        window = graphs.target_graphs(target, len(prompts), max_draft, device, graph)
+        mtp_step = graphs.mtp_graphs(mtp, layers, len(prompts), max_draft, config.hidden_size, dtype, device, graph)
+        chain = graphs.draft_chain_graphs(mtp, mtp_step, max_draft, graph)
     # greedy: every MTP call is in the chain
     timed_target, timed_mtp = TimedStep(window, device, not args.overlap), TimedStep(chain, device, not args.overlap)
     hops = InProcessHops(TargetWorker(timed_target, len(prompts), device),
                          DraftWorker(mtp_step, layers, len(prompts), device, dtype, greedy=timed_mtp))
     results = {"benchmark": "engine_overhead", "device": str(device), "dtype": args.dtype, "prompts": len(prompts),
                "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "graphs": args.graphs,
-               "max_slots": max_slots, "compile": args.compile, "thread": args.thread, "moe": moe,
+               "max_slots": max_slots, "compile": args.compile, "null_replays": args.null_replays, "thread": args.thread, "moe": moe,
                "spec_disable_rows": args.spec_disable_rows, "overlap": args.overlap, "environment": environment(), "runs": {}}
     handle = _Drop()
     for k in draft_counts:
@@ -102,6 +123,8 @@ def run(args: argparse.Namespace) -> dict:
         engine = Scheduler(hops, limits, spec_disable_rows=args.spec_disable_rows, overlap=args.overlap)
         for prompt in prompts:
             engine.submit(GenerationRequest(input_ids=prompt, max_tokens=args.max_tokens, num_draft_tokens=k), handle)
+        if args.null_replays:  # the prefill runs the model (eager): only the decode steps' host work is timed
+            engine.step()
         timed_target.seconds = timed_mtp.seconds = 0.0
         steps, start = 0, time.perf_counter()
 
@@ -172,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-slots", type=int, help="KV-cache slots (default: --prompts; gpu_bench exports 64)")
     parser.add_argument("--draft-tokens", default="0,3", help="comma-separated k values (0 = plain)")
     parser.add_argument("--graphs", action="store_true", help="replay the model calls from decode graphs (CUDA)")
+    parser.add_argument("--null-replays", action="store_true",
+                        help="with --graphs: replays that do no work, so a step costs the host's work alone")
     parser.add_argument("--moe", choices=MOE_KINDS, help="routed experts (export/moe.py; default as the eager export)")
     parser.add_argument("--compile", action="store_true",
                         help="compile the model steps as the eager format loads them (export.formats.eager.compile_step)")
@@ -184,8 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", help="write the op table of the last k's run to this file")
     parser.add_argument("--out", help="result JSON file")
     args = parser.parse_args(argv)
-    if args.graphs and not args.device.startswith("cuda"):
-        parser.error("--graphs needs --device cuda")
+    if args.graphs and not args.device.startswith("cuda") and not args.null_replays:
+        parser.error("--graphs needs --device cuda (or --null-replays)")
+    if args.null_replays and not args.graphs:
+        parser.error("--null-replays replaces the decode graphs: add --graphs")
     run(args)
     return 0
 
