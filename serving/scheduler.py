@@ -150,12 +150,16 @@ class _Launched:
     pending: PendingTarget
     rows: list[_Sequence]
     starts: list[int]
+    params: dict[str, torch.Tensor]  # the rows' `_row_params`: a call over the same rows after it reuses them
     chained: bool = False
 
 
 def _padded(values, length: int, pad: int) -> list[int]:
     values = list(values)
     return values + [pad] * (length - len(values))
+
+
+_ROW_PARAMS = ("temperature", "top_k", "top_p", "seeds", "new", "slot_ids")
 
 
 def _row_params(rows: list[_Sequence], new: list[bool]) -> dict[str, torch.Tensor]:
@@ -169,6 +173,18 @@ def _row_params(rows: list[_Sequence], new: list[bool]) -> dict[str, torch.Tenso
         "new": torch.tensor(new, dtype=torch.bool),  # [B]
         "slot_ids": torch.tensor([s.slot for s in rows], dtype=torch.int64),  # [B]
     }
+
+
+def _params_of(batch: TargetBatch) -> dict[str, torch.Tensor]:
+    return {name: getattr(batch, name) for name in _ROW_PARAMS}
+
+
+def _next_params(call: _Launched, rows: list[_Sequence]) -> dict[str, torch.Tensor]:
+    """`_row_params` of a call launched after `call` over `rows` (none new): `call`'s own when its rows are the
+    same and none was new in it, as from one decode step to the next, which saves building them per step."""
+    if len(rows) == len(call.rows) and not call.params["new"].any():
+        return call.params
+    return _row_params(rows, [False] * len(rows))
 
 
 class Scheduler:
@@ -436,7 +452,7 @@ class Scheduler:
         pending = self._timed("target", self._hops.launch_target, batch, hidden)
         self.metrics.hop()
         self.metrics.launched(chained=False, ahead=False)
-        self._complete(_Launched(pending, rows, starts))
+        self._complete(_Launched(pending, rows, starts, _params_of(batch)))
 
     def _chains(self, rows: list[_Sequence], emitted: list[int]) -> bool:
         """Whether a target call over `rows` can draft their next window on the device: every row decodes
@@ -455,7 +471,7 @@ class Scheduler:
         self.metrics.hop()  # a target call and an mtp call in one launch
         self.metrics.hop()
         self.metrics.launched(chained=True, ahead=ahead)
-        return _Launched(pending, rows, starts, chained=True)
+        return _Launched(pending, rows, starts, _params_of(batch), chained=True)
 
     def _complete(self, call: _Launched) -> None:
         """Launch the next step's call first when it can go ahead, then read `call`'s results and accept them
@@ -505,14 +521,14 @@ class Scheduler:
             (kept,) = packed_copy([torch.tensor(index)], token_ids.device)  # [B'] without waiting for the device
             token_ids = token_ids.index_select(0, kept)  # [B', 1]
         starts = [len(s.tokens) for s in rows]  # where the tokens `call` emits go
-        batch = TargetBatch(**_row_params(rows, [False] * len(rows)), token_ids=token_ids,
+        batch = TargetBatch(**_next_params(call, rows), token_ids=token_ids,
                             positions=torch.tensor(starts, dtype=torch.int64).view(-1, 1),  # [B', 1]
                             num_draft=torch.zeros(len(rows), dtype=torch.int64))  # [B']
         hidden = any(s.request.num_draft_tokens for s in rows)  # their pairs wait for a step that drafts
         pending = self._timed("target", self._hops.launch_target, batch, hidden)
         self.metrics.hop()
         self.metrics.launched(chained=False, ahead=True)
-        return _Launched(pending, rows, starts)
+        return _Launched(pending, rows, starts, _params_of(batch))
 
     def _chain_ahead(self, call: _Launched) -> _Launched | None:
         """The next chained call over `call`'s rows still live, launched with the window `call` drafts as its
@@ -528,8 +544,7 @@ class Scheduler:
             (kept,) = packed_copy([torch.tensor(index)], token_ids.device)  # [B'] without waiting for the device
             token_ids, positions = token_ids.index_select(0, kept), positions.index_select(0, kept)  # [B', K'+1] x2
         num_draft = torch.tensor([s.request.num_draft_tokens for s in rows], dtype=torch.int64)  # [B']
-        batch = TargetBatch(**_row_params(rows, [False] * len(rows)), token_ids=token_ids, positions=positions,
-                            num_draft=num_draft)
+        batch = TargetBatch(**_next_params(call, rows), token_ids=token_ids, positions=positions, num_draft=num_draft)
         return self._launch_chained(rows, batch, [-1] * len(rows), ahead=True)  # where each window starts: on the device
 
     def _accept(self, s: _Sequence, num_accepted: int, output_ids: list[int], logprobs: list[float],

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Callable
 
@@ -230,16 +230,17 @@ class _Payload:
                 values[f.name] = torch.from_numpy(np.ascontiguousarray(array))
         return cls(**values)
 
-    def to(self, device: torch.device | str):
-        """The same payload with every tensor on `device`, moved with one transfer per source device."""
+    def to(self, device: torch.device | str, fields: Sequence[str] | None = None):
+        """The same payload with every tensor (of `fields`, default all) on `device`, moved with one transfer per
+        source device."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:  # "cuda" names the current device
             device = torch.device("cuda", torch.cuda.current_device())
         moving: dict[torch.device, list[str]] = {}
-        for f in dataclasses.fields(self):
-            t = getattr(self, f.name)
+        for name in fields or [f.name for f in dataclasses.fields(self)]:
+            t = getattr(self, name)
             if t is not None and t.device != device:
-                moving.setdefault(t.device, []).append(f.name)
+                moving.setdefault(t.device, []).append(name)
         moved = {}
         for names in moving.values():
             moved.update(zip(names, packed_copy([getattr(self, name) for name in names], device)))
@@ -335,6 +336,9 @@ def _check_slots(slot_ids: torch.Tensor, max_slots: int) -> None:
         raise ValueError(f"slot_ids: slot {bad[0]} outside the pool [0, {max_slots})")
 
 
+_WINDOW_INPUTS = ("token_ids", "positions", "slot_ids", "num_draft")  # what a greedy target call reads on the device
+
+
 class TargetWorker:
     """Verifies drafts (and prefills prompts) for all rows with one target call.
 
@@ -361,7 +365,7 @@ class TargetWorker:
         generators = None if all_greedy else self._generators.rows(batch.slot_ids, batch.seeds, batch.new)
         K = int(batch.num_draft.max()) if batch.num_draft.numel() else 0
         draft_lengths = [] if all_greedy else batch.num_draft.unique().tolist()  # k values of the per-k verify
-        batch = batch.to(self._device)
+        batch = batch.to(self._device, _WINDOW_INPUTS if all_greedy else None)  # greedy: the sampling knobs stay
         window_logits, draft_ids, num_accepted, output_ids, logprobs, hidden = self._window(
             batch.token_ids, batch.positions, batch.slot_ids, batch.num_draft, K, all_greedy)  # [B, K+1, V], ..., [B, T, H]
         if not all_greedy:
