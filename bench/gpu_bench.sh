@@ -11,7 +11,8 @@
 #               chained): $OUT/engine/
 #   engine_thread  (on a GPU, only when BENCH_ONLY names it) bench/engine_overhead.py as the local-hops server
 #               steps (64 slots, --overlap, compiled with BENCH_COMPILE=1), 1 prompt, k = BENCH_ENGINE_DRAFTS (default
-#               0,0,3), on the main thread and on a second thread (--thread): $OUT/engine/served_shape_{main,thread}.json,
+#               0,0,3), on the main thread and on a second thread (--thread; BENCH_ENGINE_WHERE="main" or "thread" for
+#               one): $OUT/engine/served_shape_{main,thread}.json,
 #               with torch.profiler's op table of the last k's run as served_shape_{main,thread}_ops.txt
 #   load_time   (on a GPU, only when BENCH_ONLY names it) bench/load_time.py: seconds to a ready server whose
 #               graphs capture compiled steps (--compile-graphs, local hops), with and without the compile
@@ -200,7 +201,7 @@ if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" engine_thread "* ]]; the
     mkdir -p "$OUT/engine"
     compiled=()
     [ "${BENCH_COMPILE:-0}" = 1 ] && compiled=(--compile)
-    for where in main thread; do
+    for where in ${BENCH_ENGINE_WHERE:-main thread}; do
         thread=()
         [ "$where" = thread ] && thread=(--thread)
         stage engine_thread "${BENCH_ENGINE_S:-120}" python -m bench.engine_overhead --checkpoint "$checkpoint" \
