@@ -212,6 +212,13 @@ class _GraphedStep:
             return graph.replay()
 
 
+def _leading(buffer: torch.Tensor, rows: int, columns: int | None = None) -> torch.Tensor:
+    """buffer[:rows, :columns], or the buffer itself where that is all of it (no view to make per call)."""
+    if buffer.shape[0] == rows and (columns is None or buffer.shape[1] == columns):
+        return buffer
+    return buffer[:rows] if columns is None else buffer[:rows, :columns]
+
+
 def target_width(max_draft_tokens: int) -> int:
     """Tokens of `target`'s widest decode call: the verify window [last token, k drafts]."""
     return max_draft_tokens + 1
@@ -259,8 +266,8 @@ class GraphedTarget(_GraphedStep):
         B, T = token_ids.shape
         window_logits, draft_ids, num_accepted, output_ids, logprobs, hidden = self._replay(
             1 if T == 1 else self.width, (token_ids, positions, slot_ids, num_draft))
-        return (window_logits[:B, : K + 1], draft_ids[:B, :K], num_accepted[:B], output_ids[:B, : K + 1],
-                logprobs[:B, : K + 1], hidden[:B, :T])
+        return (_leading(window_logits, B, K + 1), _leading(draft_ids, B, K), _leading(num_accepted, B),
+                _leading(output_ids, B, K + 1), _leading(logprobs, B, K + 1), _leading(hidden, B, T))
 
 
 class GraphedMTP(_GraphedStep):

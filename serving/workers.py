@@ -29,7 +29,7 @@ import torch
 
 from triton_mtp.serving.rejection import verify as verify_drafts
 from triton_mtp.serving.rejection import verify_greedy
-from triton_mtp.serving.sampling import SamplingParams, row_generator, sample, target_probs
+from triton_mtp.serving.sampling import GREEDY_TEMPERATURE, SamplingParams, row_generator, sample, target_probs
 
 TargetStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 MTPStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
@@ -68,37 +68,56 @@ class _PinnedRing:
 _TO_DEVICE, _TO_HOST = _PinnedRing(), _PinnedRing()
 
 
-def packed_copy(tensors: list[torch.Tensor], device: torch.device, non_blocking: bool = False) -> list[torch.Tensor]:
-    """`tensors` (all on one device) on `device` with a single transfer: their bytes side by side in one
-    buffer (each at an 8-byte aligned offset), copied once, and viewed back as the original dtypes and
-    shapes. A hop payload is a handful of small tensors, and each separate copy between host and GPU
-    waits for the stream. The result never aliases `tensors`, even on their own device.
+class _Packing:
+    """Where tensors' bytes go side by side in one uint8 buffer (each at an 8-byte aligned offset)."""
 
-    From the host to a GPU the bytes go through pinned memory without the host waiting: the stream runs
-    the copy before any kernel launched after it. With `non_blocking`, from a GPU to the host likewise,
-    into pinned memory (`_PinnedRing`) that the caller reads only once the stream has passed the copy, and
-    copies out before four more such copies (`PendingTarget`)."""
-    source = tensors[0].device
-    sizes = [t.numel() * t.element_size() for t in tensors]
-    offsets = [0]
-    for size in sizes:
-        offsets.append(offsets[-1] + -(-size // 8) * 8)
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.metas = [(t.dtype, t.shape) for t in tensors]
+        self.sizes = [t.numel() * t.element_size() for t in tensors]
+        self.offsets = [0]
+        for size in self.sizes:
+            self.offsets.append(self.offsets[-1] + -(-size // 8) * 8)
+        self.nbytes = self.offsets[-1]
 
-    def pack(buffer: torch.Tensor) -> torch.Tensor:
-        for t, offset, size in zip(tensors, offsets, sizes):
+    def pack(self, tensors: list[torch.Tensor], buffer: torch.Tensor) -> torch.Tensor:
+        for t, offset, size in zip(tensors, self.offsets, self.sizes):
             buffer[offset: offset + size].view(t.dtype).view(t.shape).copy_(t)  # any strides: written through the dtype
         return buffer
 
+    def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """The tensors, viewed back in `buffer` (which holds their packed bytes)."""
+        return [buffer[offset: offset + size].view(dtype).view(shape)
+                for (dtype, shape), offset, size in zip(self.metas, self.offsets, self.sizes)]
+
+
+def packed_copy(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """`tensors` (all on one device) on `device` with a single transfer: their bytes side by side in one
+    buffer (`_Packing`), copied once, and viewed back as the original dtypes and shapes. A hop payload is a
+    handful of small tensors, and each separate copy between host and GPU waits for the stream. The result
+    never aliases `tensors`, even on their own device.
+
+    From the host to a GPU the bytes go through pinned memory without the host waiting: the stream runs
+    the copy before any kernel launched after it."""
+    packing = _Packing(tensors)
+    source = tensors[0].device
     if source.type == "cpu" and device.type == "cuda":
-        with _TO_DEVICE.take(offsets[-1], torch.cuda.current_stream(device)) as staging:
-            moved = pack(staging).to(device, non_blocking=True)
-    elif non_blocking and source.type == "cuda" and device.type == "cpu":
-        packed = pack(torch.empty(offsets[-1], dtype=torch.uint8, device=source))
-        with _TO_HOST.take(offsets[-1], torch.cuda.current_stream(source)) as moved:
-            moved.copy_(packed, non_blocking=True)
+        with _TO_DEVICE.take(packing.nbytes, torch.cuda.current_stream(device)) as staging:
+            moved = packing.pack(tensors, staging).to(device, non_blocking=True)
     else:
-        moved = pack(torch.empty(offsets[-1], dtype=torch.uint8, device=source)).to(device)
-    return [moved[offset: offset + size].view(t.dtype).view(t.shape) for t, offset, size in zip(tensors, offsets, sizes)]
+        moved = packing.pack(tensors, torch.empty(packing.nbytes, dtype=torch.uint8, device=source)).to(device)
+    return packing.views(moved)
+
+
+def packed_to_host(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, _Packing]:
+    """`tensors` (on a GPU) packed on their device and copied to the host without the host waiting: the
+    pinned buffer (`_PinnedRing`) that the caller reads only once the stream has passed the copy, and copies
+    out before four more such copies (`PendingTarget`); and the packing that views it."""
+    packing = _Packing(tensors)
+    source = tensors[0].device
+    packed = packing.pack(tensors, torch.empty(packing.nbytes, dtype=torch.uint8, device=source))
+    with _TO_HOST.take(packing.nbytes, torch.cuda.current_stream(source)) as pinned:
+        pinned.copy_(packed, non_blocking=True)
+    return pinned, packing
 
 
 def emitted_logprobs(window_logits: torch.Tensor, output_ids: torch.Tensor) -> torch.Tensor:
@@ -361,7 +380,7 @@ class TargetWorker:
         """`verify`, also returning the batch as moved to the device (its tensors for work chained on)."""
         # Decisions on the host copies, before the batch moves: no device sync for them.
         _check_slots(batch.slot_ids, self._max_slots)
-        all_greedy = bool(batch.sampling().greedy.all())
+        all_greedy = bool((batch.temperature < GREEDY_TEMPERATURE).all())  # as SamplingParams.greedy
         generators = None if all_greedy else self._generators.rows(batch.slot_ids, batch.seeds, batch.new)
         K = int(batch.num_draft.max()) if batch.num_draft.numel() else 0
         draft_lengths = [] if all_greedy else batch.num_draft.unique().tolist()  # k values of the per-k verify
@@ -477,17 +496,21 @@ class PendingTarget:
         fields = {"output_ids": result.output_ids, "num_accepted": result.num_accepted, "logprobs": result.logprobs,
                   "hidden": result.hidden if hidden else None, "draft_ids": result.draft_ids}
         self._names = [name for name, t in fields.items() if t is not None]
+        tensors = [fields[name] for name in self._names]
         source = result.output_ids.device
-        self._host = packed_copy([fields[name] for name in self._names], torch.device("cpu"), non_blocking=True)
-        self._event = torch.cuda.current_stream(source).record_event() if source.type == "cuda" else None
+        if source.type == "cuda":
+            self._pinned, self._packing = packed_to_host(tensors)
+            self._event = torch.cuda.current_stream(source).record_event()
+        else:
+            self._host, self._event = packed_copy(tensors, source), None
 
     def result(self) -> TargetResult:
         """Host tensors of their own, once the call and its copy are done."""
-        host = self._host
-        if self._event is not None:  # out of the pinned ring, which later copies reuse
+        if self._event is not None:
             self._event.synchronize()
-            host = packed_copy(host, torch.device("cpu"))
-        return TargetResult(**dict(zip(self._names, host)))
+            self._host = self._packing.views(self._pinned.clone())  # out of the pinned ring, which later copies reuse
+            self._event = None
+        return TargetResult(**dict(zip(self._names, self._host)))
 
 
 class InProcessHops:
