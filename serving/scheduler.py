@@ -182,7 +182,7 @@ def _params_of(batch: TargetBatch) -> dict[str, torch.Tensor]:
 def _next_params(call: _Launched, rows: list[_Sequence]) -> dict[str, torch.Tensor]:
     """`_row_params` of a call launched after `call` over `rows` (none new): `call`'s own when its rows are the
     same and none was new in it, as from one decode step to the next, which saves building them per step."""
-    if len(rows) == len(call.rows) and not call.params["new"].any():
+    if len(rows) == len(call.rows) and not call.params["new"].any():  # callers keep `call.rows` in order: the same rows
         return call.params
     return _row_params(rows, [False] * len(rows))
 

@@ -505,7 +505,8 @@ class PendingTarget:
             self._host, self._event = packed_copy(tensors, source), None
 
     def result(self) -> TargetResult:
-        """Host tensors of their own, once the call and its copy are done."""
+        """Host tensors of their own (not the graph's or the ring's), once the call and its copy are done; every
+        call returns the same ones."""
         if self._event is not None:
             self._event.synchronize()
             self._host = self._packing.views(self._pinned.clone())  # out of the pinned ring, which later copies reuse
