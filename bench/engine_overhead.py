@@ -126,6 +126,7 @@ def run(args: argparse.Namespace) -> dict:
         if args.null_replays:  # the prefill runs the model (eager): only the decode steps' host work is timed
             engine.step()
         timed_target.seconds = timed_mtp.seconds = 0.0
+        untimed_tokens = engine.metrics.counters["spec_decode_emitted_tokens"]
         steps, start = 0, time.perf_counter()
 
         def loop() -> str:
@@ -153,7 +154,7 @@ def run(args: argparse.Namespace) -> dict:
         mtp_ms = 1e3 * timed_mtp.seconds / steps if timed_mtp.timed else None
         run_result = {"steps": steps, "step_ms": 1e3 * total / steps, "target_ms": target_ms, "mtp_ms": mtp_ms,
                       "engine_ms": 1e3 * (total - model) / steps,
-                      "tokens": engine.metrics.counters["spec_decode_emitted_tokens"],
+                      "tokens": engine.metrics.counters["spec_decode_emitted_tokens"] - untimed_tokens,
                       "stepped_on": stepped_on,
                       "profiled": bool(args.profile) and k == draft_counts[-1]}  # timings then include the profiler's
         results["runs"][str(k)] = run_result

@@ -209,3 +209,29 @@ def test_cpu_threads_bench_times_each_setting_from_both_threads(tmp_path):
     cases = {f"{where} thread, {T} token(s)" for where in ("main", "second") for T in (1, 5)}
     assert {name: s["mkl_num_threads"] for name, s in settings.items()} == {"MKL default": None, "MKL_NUM_THREADS=1": "1"}
     assert all(set(s["ms"]) == cases and all(t > 0 for t in s["ms"].values()) for s in settings.values())
+
+
+def test_null_replays_run_each_step_once_and_time_the_decode_steps_alone(tmp_path):
+    """A null replay returns its capture's outputs without running; over them the engine's decode steps
+    cost the host's work alone, the prefill (eager) runs untimed, and --graphs needs them off CUDA."""
+    from bench.engine_overhead import NullReplay
+
+    calls = []
+
+    def step(x):
+        calls.append(x.clone())
+        return (x + 1,)
+
+    replay = NullReplay(step, [torch.zeros(2)])
+    first, again = replay(torch.ones(2)), replay(torch.full((2,), 5.0))
+    assert len(calls) == 1 and again[0] is first[0] and first[0].tolist() == [1.0, 1.0]
+    out = tmp_path / "null.json"
+    done = run_module("bench.engine_overhead", "--checkpoint", str(REPO / "models" / "tiny-dsv3-mtp"), "--graphs",
+                      "--null-replays", "--prompts", "2", "--max-slots", "4", "--prompt-tokens", "8", "--max-tokens", "12",
+                      "--draft-tokens", "0", "--overlap", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["null_replays"] and result["runs"]["0"]["steps"] == 11  # 12 tokens a row, the first untimed
+    assert result["runs"]["0"]["tokens"] == 2 * 11 and result["runs"]["0"]["step_ms"] > 0
+    refused = run_module("bench.engine_overhead", "--checkpoint", str(REPO / "models" / "tiny-dsv3-mtp"), "--graphs")
+    assert refused.returncode != 0 and "--graphs needs --device cuda" in refused.stderr
