@@ -325,7 +325,10 @@ class Scheduler:
         drafts = set(drafting)
         if not any(s.absorb_tokens and s.num_draft > 0 and s not in drafts for s in live):
             return
-        needed = {row: n for s in live if s.num_draft > 0 for h, row, n in s.absorb_hidden if h is hop}
+        # a row pends once per call, so only its newest entry can be this hop's: a scan of whole lists would grow
+        # with every step that drafting stays off
+        needed = {row: n for s in live if s.num_draft > 0 and s.absorb_hidden
+                  for h, row, n in s.absorb_hidden[-1:] if h is hop}
         if needed:
             hop.own(sorted(needed), max(needed.values()))
 
