@@ -27,6 +27,9 @@ work; on CPU it measures that work without a GPU. The first step (the prefill, e
 
     python -m bench.engine_overhead --checkpoint models/tiny-dsv3-mtp --graphs --null-replays --prompts 1 \
         --max-tokens 400 --draft-tokens 0,0,0
+
+--stream N streams the requests as served ones are: the checkpoint's tokenizer detokenizes every row's
+tokens, and a response per N tokens is built and converted to the arrays the server sends.
 """
 from __future__ import annotations
 
@@ -112,7 +115,8 @@ def run(args: argparse.Namespace) -> dict:
     results = {"benchmark": "engine_overhead", "device": str(device), "dtype": args.dtype, "prompts": len(prompts),
                "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "graphs": args.graphs,
                "max_slots": max_slots, "compile": args.compile, "null_replays": args.null_replays, "thread": args.thread, "moe": moe,
-               "spec_disable_rows": args.spec_disable_rows, "overlap": args.overlap, "environment": environment(), "runs": {}}
+               "spec_disable_rows": args.spec_disable_rows, "stream": args.stream, "overlap": args.overlap,
+               "environment": environment(), "runs": {}}
     handle = _Drop()
     for k in draft_counts:
         profiler = torch.profiler.profile() if args.profile and k == draft_counts[-1] else contextlib.nullcontext()
@@ -120,9 +124,12 @@ def run(args: argparse.Namespace) -> dict:
         for prompt in prompts:
             warm_up.submit(GenerationRequest(input_ids=prompt, max_tokens=2, num_draft_tokens=k), handle)
         warm_up.run_until_idle()
-        engine = Scheduler(hops, limits, spec_disable_rows=args.spec_disable_rows, overlap=args.overlap)
+        engine = Scheduler(hops, limits, tokenizer=tokenizer if args.stream else None,
+                           stream_interval=args.stream or 1, spec_disable_rows=args.spec_disable_rows,
+                           overlap=args.overlap)
         for prompt in prompts:
-            engine.submit(GenerationRequest(input_ids=prompt, max_tokens=args.max_tokens, num_draft_tokens=k), handle)
+            engine.submit(GenerationRequest(input_ids=prompt, max_tokens=args.max_tokens, num_draft_tokens=k,
+                                            stream=bool(args.stream)), handle)
         if args.null_replays:  # the prefill runs the model (eager): only the decode steps' host work is timed
             engine.step()
         timed_target.seconds = timed_mtp.seconds = 0.0
@@ -176,7 +183,7 @@ class _Drop:
         self.errors: list[str] = []
 
     def send(self, response, final: bool) -> None:
-        pass
+        response.to_arrays(final)  # as the server's handle converts it before sending
 
     def send_error(self, message: str) -> None:
         self.errors.append(message)
@@ -206,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overlap", action="store_true",
                         help="plain steps launch the next target call before reading theirs, greedy speculative "
                         "steps chain their drafting to it (export's default; the model calls are then not timed apart)")
+    parser.add_argument("--stream", type=int, default=0, metavar="N",
+                        help="stream the requests with the checkpoint's tokenizer, a response per N tokens "
+                        "(export --stream-interval N), as served requests are; default: not streamed, no tokenizer")
     parser.add_argument("--thread", action="store_true", help="step on a second thread, as the served scheduler does")
     parser.add_argument("--profile", help="write the op table of the last k's run to this file")
     parser.add_argument("--out", help="result JSON file")
