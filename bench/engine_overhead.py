@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> dict:
         if args.null_replays:  # the prefill runs the model (eager): only the decode steps' host work is timed
             engine.step()
         timed_target.seconds = timed_mtp.seconds = 0.0
-        untimed_tokens = engine.metrics.counters["spec_decode_emitted_tokens"]
+        untimed_tokens, untimed_streamed = engine.metrics.counters["spec_decode_emitted_tokens"], handle.streamed
         steps, start = 0, time.perf_counter()
 
         def loop() -> str:
@@ -162,6 +162,7 @@ def run(args: argparse.Namespace) -> dict:
         run_result = {"steps": steps, "step_ms": 1e3 * total / steps, "target_ms": target_ms, "mtp_ms": mtp_ms,
                       "engine_ms": 1e3 * (total - model) / steps,
                       "tokens": engine.metrics.counters["spec_decode_emitted_tokens"] - untimed_tokens,
+                      "streamed_responses": handle.streamed - untimed_streamed,  # before the final ones
                       "stepped_on": stepped_on,
                       "profiled": bool(args.profile) and k == draft_counts[-1]}  # timings then include the profiler's
         results["runs"][str(k)] = run_result
@@ -177,13 +178,16 @@ def _ms(value: float | None) -> str:
 
 
 class _Drop:
-    """A response handle that keeps only errors (the engine's counters are what is measured)."""
+    """A response handle that keeps only errors and a count of the responses before the final ones (the
+    engine's counters are what is measured)."""
 
     def __init__(self) -> None:
         self.errors: list[str] = []
+        self.streamed = 0
 
     def send(self, response, final: bool) -> None:
         response.to_arrays(final)  # as the server's handle converts it before sending
+        self.streamed += not final
 
     def send_error(self, message: str) -> None:
         self.errors.append(message)

@@ -12,8 +12,8 @@
 #   engine_thread  (on a GPU, only when BENCH_ONLY names it) bench/engine_overhead.py as the local-hops server
 #               steps (64 slots, --overlap, compiled with BENCH_COMPILE=1), 1 prompt, k = BENCH_ENGINE_DRAFTS (default
 #               0,0,3), on the main thread and on a second thread (--thread; BENCH_ENGINE_WHERE="main" or "thread" for
-#               one): $OUT/engine/served_shape_{main,thread}.json,
-#               with torch.profiler's op table of the last k's run as served_shape_{main,thread}_ops.txt
+#               one): $OUT/engine/served_shape_{main,thread}.json; with BENCH_ENGINE_PROFILE=1 also torch.profiler's op
+#               table of the last k's run (then timed under the profiler) as served_shape_{main,thread}_ops.txt
 #   load_time   (on a GPU, only when BENCH_ONLY names it) bench/load_time.py: seconds to a ready server whose
 #               graphs capture compiled steps (--compile-graphs, local hops), with and without the compile
 #               cache the export ships: $OUT/load_time.json
@@ -202,12 +202,13 @@ if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" engine_thread "* ]]; the
     compiled=()
     [ "${BENCH_COMPILE:-0}" = 1 ] && compiled=(--compile)
     for where in ${BENCH_ENGINE_WHERE:-main thread}; do
-        thread=()
+        thread=() profile=()
         [ "$where" = thread ] && thread=(--thread)
+        [ "${BENCH_ENGINE_PROFILE:-0}" = 1 ] && profile=(--profile "$OUT/engine/served_shape_${where}_ops.txt")
         stage engine_thread "${BENCH_ENGINE_S:-120}" python -m bench.engine_overhead --checkpoint "$checkpoint" \
             --device cuda --dtype "$dtype" --graphs "${compiled[@]}" --overlap "${thread[@]}" --prompts 1 --max-slots 64 \
             --prompt-tokens "$prompt_tokens" --max-tokens "$max_tokens" --draft-tokens "${BENCH_ENGINE_DRAFTS:-0,0,3}" \
-            "${moe_args[@]}" --profile "$OUT/engine/served_shape_${where}_ops.txt" --out "$OUT/engine/served_shape_$where.json"
+            "${moe_args[@]}" "${profile[@]}" --out "$OUT/engine/served_shape_$where.json"
     done
 fi
 if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" compile_parity "* ]]; then  # on request: minutes of compiling

@@ -73,7 +73,12 @@ class SamplingParams:
     @property
     def greedy(self) -> torch.Tensor:
         """[B] bool: rows that decode greedily."""
-        return self.temperature < GREEDY_TEMPERATURE
+        return greedy_rows(self.temperature)
+
+
+def greedy_rows(temperature: torch.Tensor) -> torch.Tensor:
+    """[B] bool: the rows whose temperature [B] decodes greedily."""
+    return temperature < GREEDY_TEMPERATURE
 
 
 def row_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:

@@ -150,16 +150,13 @@ class _Launched:
     pending: PendingTarget
     rows: list[_Sequence]
     starts: list[int]
-    params: dict[str, torch.Tensor]  # the rows' `_row_params`: a call over the same rows after it reuses them
+    params: dict[str, torch.Tensor] | None  # its rows' `_row_params` when none was new: the next call reuses them
     chained: bool = False
 
 
 def _padded(values, length: int, pad: int) -> list[int]:
     values = list(values)
     return values + [pad] * (length - len(values))
-
-
-_ROW_PARAMS = ("temperature", "top_k", "top_p", "seeds", "new", "slot_ids")
 
 
 def _row_params(rows: list[_Sequence], new: list[bool]) -> dict[str, torch.Tensor]:
@@ -175,14 +172,10 @@ def _row_params(rows: list[_Sequence], new: list[bool]) -> dict[str, torch.Tenso
     }
 
 
-def _params_of(batch: TargetBatch) -> dict[str, torch.Tensor]:
-    return {name: getattr(batch, name) for name in _ROW_PARAMS}
-
-
 def _next_params(call: _Launched, rows: list[_Sequence]) -> dict[str, torch.Tensor]:
     """`_row_params` of a call launched after `call` over `rows` (none new): `call`'s own when its rows are the
     same and none was new in it, as from one decode step to the next, which saves building them per step."""
-    if len(rows) == len(call.rows) and not call.params["new"].any():  # callers keep `call.rows` in order: the same rows
+    if call.params is not None and len(rows) == len(call.rows):  # callers keep `call.rows` in order: the same rows
         return call.params
     return _row_params(rows, [False] * len(rows))
 
@@ -445,17 +438,19 @@ class Scheduler:
                 if s in sampled:
                     top_ids[b, : len(s.drafts)] = s.draft_top_ids
                     top_probs[b, : len(s.drafts)] = s.draft_top_probs
-        batch = TargetBatch(**_row_params(rows, [not s.prefilled for s in rows]),
-                            token_ids=token_ids, positions=positions, num_draft=num_draft,
+        new = [not s.prefilled for s in rows]
+        params = _row_params(rows, new)
+        batch = TargetBatch(**params, token_ids=token_ids, positions=positions, num_draft=num_draft,
                             draft_top_ids=top_ids, draft_top_probs=top_probs)
+        params = None if any(new) else params  # the next call over these rows has none new: built again
         if self._chains(rows, [len(s.drafts) + 1 for s in rows]):
-            self._complete(self._launch_chained(rows, batch, starts, ahead=False))
+            self._complete(self._launch_chained(rows, batch, params, starts, ahead=False))
             return
         hidden = any(s.request.num_draft_tokens for s in rows)  # rows that pend MTP pairs need the hidden states
         pending = self._timed("target", self._hops.launch_target, batch, hidden)
         self.metrics.hop()
         self.metrics.launched(chained=False, ahead=False)
-        self._complete(_Launched(pending, rows, starts, _params_of(batch)))
+        self._complete(_Launched(pending, rows, starts, params))
 
     def _chains(self, rows: list[_Sequence], emitted: list[int]) -> bool:
         """Whether a target call over `rows` can draft their next window on the device: every row decodes
@@ -469,12 +464,13 @@ class Scheduler:
                    and s.request.max_tokens - len(s.output_ids) - n - 1 >= s.request.num_draft_tokens
                    for s, n in zip(rows, emitted))
 
-    def _launch_chained(self, rows: list[_Sequence], batch: TargetBatch, starts: list[int], ahead: bool) -> _Launched:
+    def _launch_chained(self, rows: list[_Sequence], batch: TargetBatch, params: dict[str, torch.Tensor] | None,
+                        starts: list[int], ahead: bool) -> _Launched:
         pending = self._timed("target", self._hops.launch_chained, batch)
         self.metrics.hop()  # a target call and an mtp call in one launch
         self.metrics.hop()
         self.metrics.launched(chained=True, ahead=ahead)
-        return _Launched(pending, rows, starts, _params_of(batch), chained=True)
+        return _Launched(pending, rows, starts, params, chained=True)
 
     def _complete(self, call: _Launched) -> None:
         """Launch the next step's call first when it can go ahead, then read `call`'s results and accept them
@@ -524,14 +520,15 @@ class Scheduler:
             (kept,) = packed_copy([torch.tensor(index)], token_ids.device)  # [B'] without waiting for the device
             token_ids = token_ids.index_select(0, kept)  # [B', 1]
         starts = [len(s.tokens) for s in rows]  # where the tokens `call` emits go
-        batch = TargetBatch(**_next_params(call, rows), token_ids=token_ids,
+        params = _next_params(call, rows)
+        batch = TargetBatch(**params, token_ids=token_ids,
                             positions=torch.tensor(starts, dtype=torch.int64).view(-1, 1),  # [B', 1]
                             num_draft=torch.zeros(len(rows), dtype=torch.int64))  # [B']
         hidden = any(s.request.num_draft_tokens for s in rows)  # their pairs wait for a step that drafts
         pending = self._timed("target", self._hops.launch_target, batch, hidden)
         self.metrics.hop()
         self.metrics.launched(chained=False, ahead=True)
-        return _Launched(pending, rows, starts, _params_of(batch))
+        return _Launched(pending, rows, starts, params)
 
     def _chain_ahead(self, call: _Launched) -> _Launched | None:
         """The next chained call over `call`'s rows still live, launched with the window `call` drafts as its
@@ -547,8 +544,9 @@ class Scheduler:
             (kept,) = packed_copy([torch.tensor(index)], token_ids.device)  # [B'] without waiting for the device
             token_ids, positions = token_ids.index_select(0, kept), positions.index_select(0, kept)  # [B', K'+1] x2
         num_draft = torch.tensor([s.request.num_draft_tokens for s in rows], dtype=torch.int64)  # [B']
-        batch = TargetBatch(**_next_params(call, rows), token_ids=token_ids, positions=positions, num_draft=num_draft)
-        return self._launch_chained(rows, batch, [-1] * len(rows), ahead=True)  # where each window starts: on the device
+        params = _next_params(call, rows)
+        batch = TargetBatch(**params, token_ids=token_ids, positions=positions, num_draft=num_draft)
+        return self._launch_chained(rows, batch, params, [-1] * len(rows), ahead=True)  # where each window starts: on the device
 
     def _accept(self, s: _Sequence, num_accepted: int, output_ids: list[int], logprobs: list[float],
                 hop: _StepHidden, row: int, start: int, next_drafts: list[int] | None = None) -> None:

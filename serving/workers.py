@@ -29,7 +29,7 @@ import torch
 
 from triton_mtp.serving.rejection import verify as verify_drafts
 from triton_mtp.serving.rejection import verify_greedy
-from triton_mtp.serving.sampling import GREEDY_TEMPERATURE, SamplingParams, row_generator, sample, target_probs
+from triton_mtp.serving.sampling import SamplingParams, greedy_rows, row_generator, sample, target_probs
 
 TargetStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 MTPStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
@@ -284,6 +284,10 @@ class RowParams(_Payload):
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p)
 
+    def all_greedy(self) -> bool:
+        """Whether every row decodes greedily (read on the host copy: no SamplingParams to build per call)."""
+        return bool(greedy_rows(self.temperature).all())
+
 
 @dataclass
 class TargetBatch(RowParams):
@@ -380,7 +384,7 @@ class TargetWorker:
         """`verify`, also returning the batch as moved to the device (its tensors for work chained on)."""
         # Decisions on the host copies, before the batch moves: no device sync for them.
         _check_slots(batch.slot_ids, self._max_slots)
-        all_greedy = bool((batch.temperature < GREEDY_TEMPERATURE).all())  # as SamplingParams.greedy
+        all_greedy = batch.all_greedy()
         generators = None if all_greedy else self._generators.rows(batch.slot_ids, batch.seeds, batch.new)
         K = int(batch.num_draft.max()) if batch.num_draft.numel() else 0
         draft_lengths = [] if all_greedy else batch.num_draft.unique().tolist()  # k values of the per-k verify
@@ -438,7 +442,7 @@ class DraftWorker:
         """The result's tensors may be the decode graph's buffers: read them before the next call."""
         # Decisions on the host copies, before the batch moves: no device sync for them.
         _check_slots(batch.slot_ids, self._max_slots)
-        sampled = not bool(batch.sampling().greedy.all())
+        sampled = not batch.all_greedy()
         wanted = batch.num_draft.tolist()  # [B] drafts per row
         K = max(wanted)
         generators = self._generators.rows(batch.slot_ids, batch.seeds, batch.new) if sampled else None

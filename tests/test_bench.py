@@ -233,6 +233,7 @@ def test_null_replays_run_each_step_once_and_time_the_decode_steps_alone(tmp_pat
     result = json.loads(out.read_text())
     assert result["null_replays"] and result["runs"]["0"]["steps"] == 11  # 12 tokens a row, the first untimed
     assert result["runs"]["0"]["tokens"] == 2 * 11 and result["runs"]["0"]["step_ms"] > 0
+    assert result["runs"]["0"]["streamed_responses"] == 0  # not streamed: each request answers once, at the end
     streamed = tmp_path / "streamed.json"
     done = run_module("bench.engine_overhead", "--checkpoint", str(REPO / "models" / "tiny-dsv3-mtp"), "--graphs",
                       "--null-replays", "--prompts", "2", "--max-slots", "4", "--prompt-tokens", "8", "--max-tokens", "12",
@@ -240,5 +241,7 @@ def test_null_replays_run_each_step_once_and_time_the_decode_steps_alone(tmp_pat
     assert done.returncode == 0, done.stderr[-3000:]
     runs = json.loads(streamed.read_text())["runs"]
     assert (runs["0"]["steps"], runs["0"]["tokens"]) == (11, 22)  # streaming changes the host's work, not the steps
+    # a row streams its first token at once (untimed step), then once 4 are unsent: after tokens 5 and 9
+    assert runs["0"]["streamed_responses"] == 2 * 2
     refused = run_module("bench.engine_overhead", "--checkpoint", str(REPO / "models" / "tiny-dsv3-mtp"), "--graphs")
     assert refused.returncode != 0 and "--graphs needs --device cuda" in refused.stderr
