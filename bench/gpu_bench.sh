@@ -30,7 +30,10 @@
 #               not with BENCH_REPOSITORY)
 #   profile     (only when BENCH_ONLY names it) bench/served_profile.py over the local-hops repository: py-spy
 #               samples of spec_decode's stub while one stream decodes, k = BENCH_PROFILE_K (default 0 and 3, or
-#               the export's largest k), with py-spy from PATH or .bundle/wheels/py_spy-*.whl: $OUT/profile/
+#               the export's largest k) over BENCH_PROFILE_STREAMS concurrent streams (default 1), with py-spy from
+#               PATH or .bundle/wheels/py_spy-*.whl: $OUT/profile/
+#   graph_time  (on a GPU, only when BENCH_ONLY names it) bench/graph_time.py: GPU time of one target graph replay
+#               per batch (BENCH_GRAPH_BATCH, default 1,32) for the served compiled build: $OUT/graph_time.json
 #   standalone  bench/standalone.py: the same checkpoint in one process, steps as captured CUDA graphs,
 #               with and without speculation
 #   hf_generate bench/hf_generate.py: transformers generate(do_sample=False), the same checkpoint
@@ -255,6 +258,11 @@ if [ -d "$local_repository/spec_decode" ]; then
         --out "$stages/triton_local.json" --server-log "$OUT/server_local.log"
     stub_path_off
 fi
+if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" graph_time "* ]]; then  # on request: a compile
+    stage graph_time "${BENCH_GRAPH_TIME_S:-150}" python -m bench.graph_time --checkpoint "$checkpoint" \
+        --max-draft "$max_draft" --max-seq-len "$max_seq_len" --batch "${BENCH_GRAPH_BATCH:-1,32}" --builds served \
+        --out "$OUT/graph_time.json"
+fi
 if [ -d "$local_repository/spec_decode" ] && [[ " ${BENCH_ONLY:-} " == *" profile "* ]]; then  # on request
     py_spy=$(command -v py-spy)
     if [ -z "$py_spy" ]; then
@@ -263,7 +271,8 @@ if [ -d "$local_repository/spec_decode" ] && [[ " ${BENCH_ONLY:-} " == *" profil
     fi
     stub_path_on
     stage profile "${BENCH_PROFILE_S:-150}" python -m bench.served_profile "${common[@]}" --repository "$local_repository" \
-        --py-spy "$py_spy" -k "${BENCH_PROFILE_K:-0,$((max_draft < 3 ? max_draft : 3))}" --out "$OUT/profile"
+        --py-spy "$py_spy" -k "${BENCH_PROFILE_K:-0,$((max_draft < 3 ? max_draft : 3))}" \
+        --streams "${BENCH_PROFILE_STREAMS:-1}" --out "$OUT/profile"
     stub_path_off
 fi
 stage standalone "${BENCH_STANDALONE_S:-75}" python -m bench.standalone "${common[@]}" --out "$stages/standalone.json" \

@@ -1,4 +1,4 @@
-"""GPU time of one replay of the target's decode graphs at batch 1, by how the step is built.
+"""GPU time of one replay of the target's decode graphs per batch size, by how the step is built.
 
 The served graphs (serving/graphs.py `GraphedTarget`: the target step and greedy verification, one
 token or the verify window) are timed over back-to-back replays with CUDA events, for the step run
@@ -7,6 +7,10 @@ compiled for static shapes; then the standalone loop's `torch.compile(mode="redu
 (bench/graphs.py `CompiledStep`) called the same way. bf16 on CUDA.
 
     python -m bench.graph_time --checkpoint models/tiny-dsv3-mtp --out graph_time.json
+    python -m bench.graph_time --checkpoint models/tiny-dsv3-mtp --batch 1,32 --builds served --out graph_time.json
+
+`--batch`: the batch sizes timed (each a bucket of the graphs); `--builds`: the builds timed, by the first
+word of their name ("eager", "compiled", "static", "standalone"; "served" is "compiled").
 """
 from __future__ import annotations
 
@@ -26,8 +30,9 @@ from .graphs import CompiledStep, place_rope
 BUILDS = {
     "eager": lambda step: step,
     "compiled, dynamic shapes (served)": compile_step,
-    "compiled, static shapes": lambda step: torch.compile(step, dynamic=False, options=COMPILE_OPTIONS),
+    "static, compiled for static shapes": lambda step: torch.compile(step, dynamic=False, options=COMPILE_OPTIONS),
 }
+ALIASES = {"served": "compiled"}
 
 
 def replay_ms(replay, repeats: int) -> float:
@@ -47,30 +52,40 @@ def replay_ms(replay, repeats: int) -> float:
 def run(args: argparse.Namespace) -> dict:
     device = torch.device("cuda")
     width = target_width(args.max_draft)
-    _, target, _ = load_checkpoint(args.checkpoint, "bf16", device, max_slots=1, max_seq_len=args.max_seq_len,
-                                   progress=False)
+    batches = [int(b) for b in args.batch.split(",")]
+    builds = {ALIASES.get(b, b) for b in args.builds.split(",")}
+    _, target, _ = load_checkpoint(args.checkpoint, "bf16", device, max_slots=max(batches),
+                                   max_seq_len=args.max_seq_len, progress=False)
     place_rope(target, device)
     results = {"benchmark": "graph_time", "checkpoint": args.checkpoint, "width": width, "repeats": args.repeats,
-               "environment": environment(), "ms": {}}
+               "batches": batches, "environment": environment(), "ms": {}}
+
+    def record(name: str, batch: int, tokens: int, ms: float, note: str = "") -> None:
+        label = f"{name}, {tokens} token(s)" + (f", batch {batch}" if batch > 1 else "")
+        results["ms"][label] = ms
+        print(f"{label}: {ms:.3f} ms per replay{note}", flush=True)
+
     for name, build in BUILDS.items():
+        if name.split(",")[0] not in builds:
+            continue
         torch._dynamo.reset()
         start = time.perf_counter()
-        graphed = GraphedTarget(verify_window(build(target)), 1, width, device)
+        graphed = GraphedTarget(verify_window(build(target)), max(batches), width, device)
         seconds = time.perf_counter() - start
-        for key in (1, width):
-            ms = replay_ms(graphed.graphs[key, 1].replay, args.repeats)
-            results["ms"][f"{name}, {key} token(s)"] = ms
-            print(f"{name}, {key} token(s): {ms:.3f} ms per replay (built in {seconds:.0f} s)", flush=True)
+        for b in batches:
+            for key in (1, width):
+                record(name, b, key, replay_ms(graphed.graphs[key, b].replay, args.repeats),
+                       f" (built in {seconds:.0f} s)")
         del graphed
-    torch._dynamo.reset()
-    step = CompiledStep(target)
-    for tokens in (1, width):
-        inputs = (torch.zeros(1, tokens, dtype=torch.long, device=device),
-                  torch.full((1, tokens), -1, dtype=torch.long, device=device),
-                  torch.zeros(1, dtype=torch.long, device=device))
-        ms = replay_ms(lambda: step(*inputs), args.repeats)
-        results["ms"][f"reduce-overhead (standalone), {tokens} token(s)"] = ms
-        print(f"reduce-overhead (standalone), {tokens} token(s): {ms:.3f} ms per call", flush=True)
+    if "standalone" in builds:
+        torch._dynamo.reset()
+        step = CompiledStep(target)
+        for b in batches:
+            for tokens in (1, width):
+                inputs = (torch.zeros(b, tokens, dtype=torch.long, device=device),
+                          torch.full((b, tokens), -1, dtype=torch.long, device=device),
+                          torch.arange(b, dtype=torch.long, device=device))
+                record("reduce-overhead (standalone)", b, tokens, replay_ms(lambda: step(*inputs), args.repeats))
     if args.out:
         write_result(args.out, results)
     return results
@@ -82,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-draft", type=int, default=4)
     parser.add_argument("--max-seq-len", type=int, default=261)
     parser.add_argument("--repeats", type=int, default=300)
+    parser.add_argument("--batch", default="1", help="comma-separated batch sizes, each a graph bucket")
+    parser.add_argument("--builds", default="eager,compiled,static,standalone", help="comma-separated builds timed")
     parser.add_argument("--out", help="result JSON file")
     run(parser.parse_args(argv))
     return 0

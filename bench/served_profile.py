@@ -1,12 +1,12 @@
-"""Where a served step's time goes: py-spy samples of `spec_decode`'s stub while it decodes one stream.
+"""Where a served step's time goes: py-spy samples of `spec_decode`'s stub while it decodes `--streams` streams.
 
-Serves `--repository` with an embedded tritonserver and, for each k asked for, warms up, then keeps one
-stream busy while py-spy records the stub three times: every thread with idle frames (`--idle`: where each
+Serves `--repository` with an embedded tritonserver and, for each k asked for, warms up, then keeps the
+streams busy while py-spy records the stub three times: every thread with idle frames (`--idle`: where each
 thread waits), only the thread holding the GIL (`--gil`), and native frames (`--native`: time inside
 the C++ of the stub and torch). Writes the raw profiles (folded stacks), each thread's share of the
 samples and its top frames (`summary.json`), and the stream's tokens/s and step phases over the window.
 
-    python -m bench.served_profile --checkpoint DIR --repository REPO --out DIR [--py-spy PATH] [-k 0,3]
+    python -m bench.served_profile --checkpoint DIR --repository REPO --out DIR [--py-spy PATH] [-k 0,3] [--streams 32]
 """
 from __future__ import annotations
 
@@ -57,21 +57,23 @@ def profile(py_spy: str, pid: int, seconds: float, rate: int, out: Path, name: s
 
 
 def measure(server, pid: int, prompts: list[list[int]], k: int, args: argparse.Namespace, out: Path) -> dict:
-    """Warm up k, then profile the stub while one stream decodes with k: tokens/s, step phases, summaries."""
-    run_level(server.grpc_url, server.metrics_url, prompts, 1, 2, args.max_tokens, k)
+    """Warm up k, then profile the stub while `args.streams` streams decode with k: tokens/s, step phases,
+    summaries."""
+    n = args.streams
+    run_level(server.grpc_url, server.metrics_url, prompts, n, 2 * n, args.max_tokens, k)
     stop = threading.Event()
     tokens: list[int] = []
 
-    def load() -> None:  # one stream, request after request, until the recordings end
+    def load() -> None:  # n streams, a request each at a time, until the recordings end
         while not stop.is_set():
-            tokens.append(run_level(server.grpc_url, server.metrics_url, prompts, 1, 1, args.max_tokens, k)["output_tokens"])
+            tokens.append(run_level(server.grpc_url, server.metrics_url, prompts, n, n, args.max_tokens, k)["output_tokens"])
 
     before = server_counters(server.metrics_url)
     start = time.perf_counter()
     with ThreadPoolExecutor(1) as pool:
         streaming = pool.submit(load)
         try:
-            summary = profile(args.py_spy, pid, args.seconds, args.rate, out, f"k{k}")
+            summary = profile(args.py_spy, pid, args.seconds, args.rate, out, f"k{k}" + (f"-c{n}" if n > 1 else ""))
         finally:
             stop.set()
         streaming.result()  # a failed stream fails the measurement: a profile of an idle stub is no result
@@ -89,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="results directory")
     parser.add_argument("--py-spy", default="py-spy")
     parser.add_argument("-k", "--draft-tokens", default="0", help="comma-separated k, each profiled in turn")
+    parser.add_argument("--streams", type=int, default=1, help="concurrent streams while recording")
     parser.add_argument("--seconds", type=float, default=6.0, help="length of each recording")
     parser.add_argument("--rate", type=int, default=2000, help="samples per second")
     parser.add_argument("--prompts", type=int, default=8)
@@ -107,11 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         stack.callback(server.stop, 5.0)
         server.wait_ready(900)
         pid = server.stub_pid("spec_decode")
-        result = {"benchmark": "served_profile", "environment": environment(), "by_k": {}}
+        result = {"benchmark": "served_profile", "environment": environment(), "streams": args.streams, "by_k": {}}
         for k in [int(k) for k in args.draft_tokens.split(",")]:
             result["by_k"][str(k)] = level = measure(server, pid, prompts, k, args, out)
             phases = ", ".join(f"{phase} {ms:.3f}" for phase, ms in level["step_ms"].items())
-            print(f"served profile k={k}: {level['tokens_per_s']:.1f} tokens/s, ms per step: {phases}", flush=True)
+            print(f"served profile k={k}, {args.streams} streams: {level['tokens_per_s']:.1f} tokens/s, ms per step: {phases}", flush=True)
             write_result(out / "summary.json", result)
     return 0
 
