@@ -32,6 +32,9 @@
 #               samples of spec_decode's stub while one stream decodes, k = BENCH_PROFILE_K (default 0 and 3, or
 #               the export's largest k) over BENCH_PROFILE_STREAMS concurrent streams (default 1), with py-spy from
 #               PATH or .bundle/wheels/py_spy-*.whl: $OUT/profile/
+#   triton_local_ab  with BENCH_AB="key=value[,key=value] ..." (BENCH_ONLY naming it, where set): for each change, the local-hops export served again with
+#               those spec_decode parameters changed in its config.pbtxt (an A/B against triton_local without a new
+#               export), k = BENCH_AB_K (default 3, or the export's largest k) at BENCH_AB_STREAMS (default 1,32): $OUT/ab/<change>.json
 #   graph_time  (on a GPU, only when BENCH_ONLY names it) bench/graph_time.py: GPU time of one target graph replay
 #               per batch (BENCH_GRAPH_BATCH, default 1,32) for the served compiled build: $OUT/graph_time.json
 #   standalone  bench/standalone.py: the same checkpoint in one process, steps as captured CUDA graphs,
@@ -121,7 +124,7 @@ stub_path_off() { [ -n "$pth" ] && rm -f "$pth"; pth=""; }
 
 # ---- sizes -----------------------------------------------------------------------------------------
 if [ "${BENCH_SMOKE:-0}" = 1 ]; then
-    device=cpu dtype=fp32 graphs=eager default_format=torchscript deadline=3000 prompts=2 prompt_tokens=16 max_tokens=16 drafts=1,2 streams=1,2
+    device=cpu dtype=fp32 graphs=eager default_format=torchscript deadline=3000 prompts=2 prompt_tokens=16 max_tokens=16 drafts=1,2 streams=1,2 ab_streams=1,2
     hf_prompts=1 warmup=1 limit=400 realistic_args=(--layers 2 --hidden 128 --experts 8 --vocab 512 --context 32 --repeats 3
                                             --copy-bytes 4000000 --graphs eager)
     if [ -z "$checkpoint" ]; then
@@ -131,7 +134,7 @@ from triton_mtp.export.synthetic import write_checkpoint; write_checkpoint('$che
     fi
 else
     device=cuda dtype=bf16 graphs=cudagraph default_format=eager prompts=8 prompt_tokens=128 max_tokens=128 drafts=1,2,3,4
-    streams=1,2,4,8,16,32,64 hf_prompts=4 warmup=1 limit=0 realistic_args=(--layers "${BENCH_REALISTIC_LAYERS:-27}" --context 512
+    streams=1,2,4,8,16,32,64 ab_streams=1,32 hf_prompts=4 warmup=1 limit=0 realistic_args=(--layers "${BENCH_REALISTIC_LAYERS:-27}" --context 512
                                                    --graphs "${BENCH_REALISTIC_GRAPHS:-cudagraph}" ${BENCH_REALISTIC_ARGS:-})
 fi
 checkpoint=${checkpoint:-$repo/models/tiny-dsv3-mtp}
@@ -257,6 +260,26 @@ if [ -d "$local_repository/spec_decode" ]; then
     stage triton_local "${BENCH_TRITON_S:-240}" "${triton_cmd[@]}" --repository "$local_repository" \
         --out "$stages/triton_local.json" --server-log "$OUT/server_local.log"
     stub_path_off
+fi
+if [ -d "$local_repository/spec_decode" ] && [ -n "${BENCH_AB:-}" ]; then  # the same export, parameters changed
+    cp "$local_repository/spec_decode/config.pbtxt" "$work/config.pbtxt"
+    mkdir -p "$OUT/ab"
+    for change in $BENCH_AB; do
+        python - "$work/config.pbtxt" "$local_repository/spec_decode/config.pbtxt" "$change" >>"$log" 2>&1 <<'PY'
+import pathlib, re, sys
+config = pathlib.Path(sys.argv[1]).read_text()
+for key, value in (item.split("=", 1) for item in sys.argv[3].split(",")):
+    config, n = re.subn(rf'(key: "{key}", value: {{ string_value: )"[^"]*"', rf'\1"{value}"', config)
+    assert n == 1, f"no parameter {key} in config.pbtxt"
+pathlib.Path(sys.argv[2]).write_text(config)
+PY
+        stub_path_on
+        stage triton_local_ab "${BENCH_TRITON_AB_S:-120}" python -m bench.triton_bench "${common[@]}" \
+            --draft-tokens "${BENCH_AB_K:-$((max_draft < 3 ? max_draft : 3))}" --concurrency "${BENCH_AB_STREAMS:-$ab_streams}" --warmup "$warmup" \
+            --repository "$local_repository" --out "$OUT/ab/$change.json" --server-log "$OUT/ab/$change.log"
+        stub_path_off
+    done
+    cp "$work/config.pbtxt" "$local_repository/spec_decode/config.pbtxt"
 fi
 if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" graph_time "* ]]; then  # on request: a compile
     stage graph_time "${BENCH_GRAPH_TIME_S:-150}" python -m bench.graph_time --checkpoint "$checkpoint" \

@@ -8,7 +8,7 @@ import sys
 from triton_mtp.export.formats import HOPS
 from triton_mtp.export.graphs import DTYPES, FORMATS
 from triton_mtp.export.moe import MOE_KINDS
-from triton_mtp.export.repository import DEVICES, write_repository
+from triton_mtp.export.repository import DEVICES, SWITCH_INTERVAL_US, write_repository
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -64,6 +64,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-overlap", action="store_true",
                         help="--hops local: run one target call at a time instead of launching the next plain "
                         "decoding step's call before reading this one's (default: overlap)")
+    parser.add_argument("--switch-interval-us", type=_at_least(0), default=SWITCH_INTERVAL_US, metavar="US",
+                        help="Python's thread switch interval in spec_decode's process: how long the engine's thread "
+                        "may wait for the GIL while the response threads and request parsing hold it; 0 keeps "
+                        f"Python's 5 ms (default: {SWITCH_INTERVAL_US})")
     parser.add_argument("--tensor-parallel", type=_at_least(1), default=1, metavar="N",
                         help="eager format: shard the target and MTP over N ranks, one per GPU (default: 1)")
     parser.add_argument("--hops", choices=HOPS, default="bls",
@@ -88,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
             stream_interval=args.stream_interval,
             spec_disable_rows=args.spec_disable_rows,
             overlap=not args.no_overlap,
+            switch_interval_us=args.switch_interval_us,
             tensor_parallel=args.tensor_parallel,
             hops=args.hops,
             moe=args.moe,

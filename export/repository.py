@@ -45,6 +45,9 @@ DEVICES = ("cpu", "cuda")
 # TorchScript steps cannot be captured. On cpu there are no graphs and TorchScript needs no checkpoint.
 DEFAULT_FORMATS = {"cpu": "torchscript", "cuda": "eager"}
 MANIFEST = "export.json"
+# spec_decode's Python thread switch interval: its engine thread gives up the GIL at every torch call and waits
+# for it while the response threads and request parsing run (docs/benchmarks.md, run 26's profile)
+SWITCH_INTERVAL_US = 100
 
 
 def write_repository(
@@ -66,6 +69,7 @@ def write_repository(
     stream_interval: int = 1,
     spec_disable_rows: int = 0,
     overlap: bool = True,
+    switch_interval_us: int = SWITCH_INTERVAL_US,
     tensor_parallel: int = 1,
     hops: str = "bls",
     moe: str | None = None,
@@ -81,7 +85,8 @@ def write_repository(
     replay decode-time calls from captured graphs (serving/graphs.py), captured over torch.compile'd steps
     with `compile_graphs`. `response_threads` > 0 makes `spec_decode` send streamed responses from that
     many threads (serving/responses.py); `stream_interval`, `spec_disable_rows` and `overlap` are the
-    scheduler's (serving/scheduler.py).
+    scheduler's (serving/scheduler.py). `switch_interval_us` > 0 sets the Python thread switch interval of
+    `spec_decode`'s process (`sys.setswitchinterval`; 0 keeps Python's 5 ms).
     `tensor_parallel` > 1 (eager format) makes the `target`
     and `mtp` models shard over that many ranks at load (serving/parallel.py). Existing `target`,
     `mtp`, `spec_decode` folders in `repo_dir` are replaced. `hops` "local" makes `spec_decode` run the
@@ -99,6 +104,8 @@ def write_repository(
         raise ValueError(f"hops: must be one of {', '.join(HOPS)}, got {hops!r}")
     if spec_disable_rows < 0:
         raise ValueError(f"spec_disable_rows: must be >= 0, got {spec_disable_rows}")
+    if switch_interval_us < 0:
+        raise ValueError(f"switch_interval_us: must be >= 0, got {switch_interval_us}")
     if hops == "local" and tensor_parallel > 1:
         raise ValueError(f"--hops local: runs one rank in spec_decode's process, got --tensor-parallel {tensor_parallel}")
     if tensor_parallel > 1 and fmt != "eager":
@@ -161,6 +168,7 @@ def write_repository(
         "stream_interval": stream_interval,
         "spec_disable_rows": spec_disable_rows,
         "overlap": "true" if overlap else "false",
+        "switch_interval_us": switch_interval_us,
         **_request_limits(max_seq_len, request_limits or {}),
     }
     values["spec_decode_kind"] = values["kind"] if hops == "local" else "KIND_CPU"  # a BLS engine holds no weights

@@ -233,6 +233,13 @@ def int_parameter(params: Mapping[str, str], key: str, minimum: int, default: in
     return _number_parameter(params, key, minimum, int, "an integer")
 
 
+def switch_interval_s(params: Mapping[str, str]) -> float | None:
+    """The `switch_interval_us` parameter in seconds, for `sys.setswitchinterval`; None where it is 0 or absent
+    (Python's own 5 ms stays)."""
+    us = int_parameter(params, "switch_interval_us", 0, default=0)
+    return us / 1e6 if us else None
+
+
 def flag_parameter(params: Mapping[str, str], key: str, default: bool = False) -> bool:
     """A true/false config.pbtxt parameter, checked at load time (ValueError names the key); `default`
     stands in for a parameter a repository from before it does not have."""

@@ -13,7 +13,7 @@ import torch
 from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.serving.requests import (
     EngineLimits, GenerationRequest, GenerationResponse, QueueFull, RequestError, TokenizerFile, default_limits,
-    engine_limits, flag_parameter, parse_request,
+    engine_limits, flag_parameter, parse_request, switch_interval_s,
 )
 from triton_mtp.serving.scheduler import Scheduler
 from triton_mtp.serving.workers import DraftWorker, InProcessHops, TargetWorker, verify_window
@@ -783,6 +783,13 @@ def test_a_flag_parameter_is_true_or_false_and_defaults_where_a_repository_preda
     assert flag_parameter({}, "overlap", default=True) is True and flag_parameter({}, "cuda_graphs") is False
     with pytest.raises(ValueError, match="parameter 'overlap' must be true or false, got 'yes'"):
         flag_parameter({"overlap": "yes"}, "overlap", default=True)
+
+
+def test_the_switch_interval_parameter_is_microseconds_and_zero_or_absent_keeps_pythons():
+    assert switch_interval_s({"switch_interval_us": "250"}) == pytest.approx(250e-6)
+    assert switch_interval_s({"switch_interval_us": "0"}) is None and switch_interval_s({}) is None
+    with pytest.raises(ValueError, match="switch_interval_us"):
+        switch_interval_s({"switch_interval_us": "-1"})
 
 
 def test_unfilled_config_parameter_is_named_at_load_time():

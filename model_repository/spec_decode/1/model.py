@@ -1,9 +1,13 @@
 """Triton adapter of `spec_decode` (decoupled): `execute` validates and enqueues; the scheduler thread
 steps all live sequences with one `mtp` and one `target` hop per step, as BLS calls or (parameter
 `hops` local) with the workers in this process."""
+import sys
+
 from triton_mtp.serving import triton_io
 from triton_mtp.serving.metrics import EngineMetrics
-from triton_mtp.serving.requests import TokenizerFile, engine_limits, flag_parameter, int_parameter
+from triton_mtp.serving.requests import (
+    TokenizerFile, engine_limits, flag_parameter, int_parameter, switch_interval_s,
+)
 from triton_mtp.serving.responses import ResponseThreads
 from triton_mtp.serving.scheduler import Scheduler
 
@@ -11,6 +15,8 @@ from triton_mtp.serving.scheduler import Scheduler
 class TritonPythonModel:
     def initialize(self, args):
         params = triton_io.model_parameters(args)
+        if (interval := switch_interval_s(params)) is not None:  # the engine's thread, the response threads and
+            sys.setswitchinterval(interval)  # `execute` share one GIL: a short interval bounds the engine's waits
         self.limits = engine_limits(params)
         tokenizer_path = triton_io.artifact_dir(args) / "tokenizer.json"
         self.tokenizer = TokenizerFile(tokenizer_path) if tokenizer_path.exists() else None
