@@ -34,7 +34,7 @@
 #               PATH or .bundle/wheels/py_spy-*.whl: $OUT/profile/
 #   triton_local_ab  with BENCH_AB="key=value[,key=value] ..." (BENCH_ONLY naming it, where set): for each change, the local-hops export served again with
 #               those spec_decode parameters changed in its config.pbtxt (an A/B against triton_local without a new
-#               export), k = BENCH_AB_K (default 3, or the export's largest k) at BENCH_AB_STREAMS (default 1,32): $OUT/ab/<change>.json
+#               export), k = BENCH_AB_K (default 3, or the export's largest k) at BENCH_AB_STREAMS (default 1,32): $OUT/ab/<key-value_key-value>.json
 #   graph_time  (on a GPU, only when BENCH_ONLY names it) bench/graph_time.py: GPU time of one target graph replay
 #               per batch (BENCH_GRAPH_BATCH, default 1,32) for the served compiled build: $OUT/graph_time.json
 #   standalone  bench/standalone.py: the same checkpoint in one process, steps as captured CUDA graphs,
@@ -265,6 +265,7 @@ if [ -d "$local_repository/spec_decode" ] && [ -n "${BENCH_AB:-}" ]; then  # the
     cp "$local_repository/spec_decode/config.pbtxt" "$work/config.pbtxt"
     mkdir -p "$OUT/ab"
     for change in $BENCH_AB; do
+        ab_name=$(echo "$change" | tr '=,' '-_')  # plain file names: key-value_key-value
         python - "$work/config.pbtxt" "$local_repository/spec_decode/config.pbtxt" "$change" >>"$log" 2>&1 <<'PY'
 import pathlib, re, sys
 config = pathlib.Path(sys.argv[1]).read_text()
@@ -276,7 +277,7 @@ PY
         stub_path_on
         stage triton_local_ab "${BENCH_TRITON_AB_S:-120}" python -m bench.triton_bench "${common[@]}" \
             --draft-tokens "${BENCH_AB_K:-$((max_draft < 3 ? max_draft : 3))}" --concurrency "${BENCH_AB_STREAMS:-$ab_streams}" --warmup "$warmup" \
-            --repository "$local_repository" --out "$OUT/ab/$change.json" --server-log "$OUT/ab/$change.log"
+            --repository "$local_repository" --out "$OUT/ab/$ab_name.json" --server-log "$OUT/ab/$ab_name.log"
         stub_path_off
     done
     cp "$work/config.pbtxt" "$local_repository/spec_decode/config.pbtxt"

@@ -64,6 +64,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-overlap", action="store_true",
                         help="--hops local: run one target call at a time instead of launching the next plain "
                         "decoding step's call before reading this one's (default: overlap)")
+    parser.add_argument("--no-separate-prefill", action="store_true",
+                        help="--hops local: prefill requests admitted while others decode in the decoding rows' call "
+                        "instead of a call of their own (default: apart, so the decoding rows stay in their decode "
+                        "graphs and chains)")
     parser.add_argument("--switch-interval-us", type=_at_least(0), default=SWITCH_INTERVAL_US, metavar="US",
                         help="Python's thread switch interval in spec_decode's process: how long the engine's thread "
                         "may wait for the GIL while the response threads and request parsing hold it; 0 keeps "
@@ -92,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
             stream_interval=args.stream_interval,
             spec_disable_rows=args.spec_disable_rows,
             overlap=not args.no_overlap,
+            separate_prefill=not args.no_separate_prefill,
             switch_interval_us=args.switch_interval_us,
             tensor_parallel=args.tensor_parallel,
             hops=args.hops,

@@ -69,6 +69,7 @@ def write_repository(
     stream_interval: int = 1,
     spec_disable_rows: int = 0,
     overlap: bool = True,
+    separate_prefill: bool = True,
     switch_interval_us: int = SWITCH_INTERVAL_US,
     tensor_parallel: int = 1,
     hops: str = "bls",
@@ -84,8 +85,8 @@ def write_repository(
     tokens, max_tokens cap, request timeout). `cuda_graphs` lets the `target` and `mtp` models on CUDA
     replay decode-time calls from captured graphs (serving/graphs.py), captured over torch.compile'd steps
     with `compile_graphs`. `response_threads` > 0 makes `spec_decode` send streamed responses from that
-    many threads (serving/responses.py); `stream_interval`, `spec_disable_rows` and `overlap` are the
-    scheduler's (serving/scheduler.py). `switch_interval_us` > 0 sets the Python thread switch interval of
+    many threads (serving/responses.py); `stream_interval`, `spec_disable_rows`, `overlap` and
+    `separate_prefill` are the scheduler's (serving/scheduler.py). `switch_interval_us` > 0 sets the Python thread switch interval of
     `spec_decode`'s process (`sys.setswitchinterval`; 0 keeps Python's 5 ms).
     `tensor_parallel` > 1 (eager format) makes the `target`
     and `mtp` models shard over that many ranks at load (serving/parallel.py). Existing `target`,
@@ -168,6 +169,7 @@ def write_repository(
         "stream_interval": stream_interval,
         "spec_disable_rows": spec_disable_rows,
         "overlap": "true" if overlap else "false",
+        "separate_prefill": "true" if separate_prefill else "false",
         "switch_interval_us": switch_interval_us,
         **_request_limits(max_seq_len, request_limits or {}),
     }

@@ -186,7 +186,8 @@ class Scheduler:
     def __init__(self, hops: Hops, limits: EngineLimits, metrics: EngineMetrics | None = None,
                  tokenizer: Tokenizer | None = None, clock: Callable[[], float] = time.monotonic,
                  cancel_check_interval_s: float = 0.0, drain_responses: Callable[[], None] | None = None,
-                 stream_interval: int = 1, spec_disable_rows: int = 0, overlap: bool = True) -> None:
+                 stream_interval: int = 1, spec_disable_rows: int = 0, overlap: bool = True,
+                 separate_prefill: bool = True) -> None:
         """`cancel_check_interval_s`: how often live requests are asked whether they were cancelled (0:
         every step); in Triton each question is a round trip to the server. `drain_responses`: when the
         handles queue their sends (serving/responses.py), waits for the previous step's to go out; it is
@@ -199,7 +200,10 @@ class Scheduler:
         drafts costs more than they save (docs/benchmarks.md, runs 12-13). `overlap`: launch the next
         step's target call before reading this one's when no row drafts in either, or when every row's
         drafts come from the call before it (a chained verify, where the hops chain), where the hops allow
-        it (off: one call at a time, drafts from the mtp hop)."""
+        it (off: one call at a time, drafts from the mtp hop). `separate_prefill` (where calls overlap): a step
+        that admits requests prefills them in a call of their own before the decoding rows' call, which stays
+        a decode graph's call (and chained) instead of a call as wide as the longest prompt; the new rows join
+        the others' calls from the next step."""
         if stream_interval < 1:
             raise ValueError(f"stream_interval: must be >= 1, got {stream_interval}")
         if spec_disable_rows < 0:
@@ -214,6 +218,7 @@ class Scheduler:
         self._spec_disable_rows = spec_disable_rows
         self._overlap = overlap and hops.overlaps
         self._chain = self._overlap and hops.chains
+        self._separate_prefill = separate_prefill and self._overlap
         self._ahead: _Launched | None = None  # the next step's target call, launched by this one
         self._cancel_checked_at = -float("inf")
         self.metrics = metrics or EngineMetrics(limits.max_draft_tokens)
@@ -303,7 +308,12 @@ class Scheduler:
             self._keep_waiting_pairs(live, drafting)
             if drafting:
                 self._guarded(drafting, self._propose)
-            self._guarded([s for s in live if s in self._live], self._verify)
+            rows = [s for s in live if s in self._live]
+            new = [s for s in rows if not s.prefilled]
+            if self._separate_prefill and 0 < len(new) < len(rows):
+                self._guarded(new, self._verify)  # the prompts in a call of their own
+                rows = [s for s in rows if s not in new and s in self._live]
+            self._guarded(rows, self._verify)
         if live:
             self.metrics.step({**self._phases, "engine": time.perf_counter() - start - sum(self._phases.values())})
         self._publish()
@@ -499,8 +509,8 @@ class Scheduler:
         drafts for none of them (plain rows, or more rows than `spec_disable_rows`) and no request waits for
         a free slot. Rows that certainly finish with `call` (max_tokens) are left out; those that stop on EOS or a
         stop word get a call whose result is never read."""
-        if not self._overlap:
-            return None
+        if not self._overlap or not set(self._live) <= set(call.rows):
+            return None  # some live row is not in `call` (prefilled apart): the next step steps every row
         with self._cond:
             if self._waiting and self.slots.num_free:  # admitted once the rows run one call at a time again
                 return None  # (with every slot busy, it waits whether or not this call goes ahead)

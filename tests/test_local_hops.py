@@ -59,6 +59,7 @@ def test_the_repository_holds_spec_decode_alone_with_the_artifacts_inside(local_
     assert re.search(r'key: "stream_interval", value: \{ string_value: "3" \}', config)
     assert re.search(r'key: "spec_disable_rows", value: \{ string_value: "2" \}', config)
     assert re.search(r'key: "overlap", value: \{ string_value: "true" \}', config)
+    assert re.search(r'key: "separate_prefill", value: \{ string_value: "true" \}', config)
     assert re.search(r'key: "switch_interval_us", value: \{ string_value: "100" \}', config)  # the export's default
     assert "kind: KIND_CPU" in config
     manifest = json.loads((local_repository / "export.json").read_text())

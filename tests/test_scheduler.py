@@ -926,3 +926,43 @@ def test_calls_go_ahead_while_requests_wait_for_a_busy_slot(models, num_draft_to
     (expected, _), (got, ahead_while_waiting) = serve(False), serve(True)
     assert got == expected
     assert ahead_while_waiting >= 5
+
+
+@pytest.mark.parametrize("num_draft_tokens", [0, 2])
+def test_requests_admitted_while_rows_decode_are_prefilled_in_a_call_of_their_own(models, num_draft_tokens):
+    """With `separate_prefill`, a step that admits requests while others decode prefills them in a call of
+    their own: no call mixes a prompt with decoding windows, so the decoding rows' calls stay k + 1 tokens
+    wide at most (a decode graph's), greedy speculative rows keep chaining through the admissions, and the
+    output equals that of mixed calls."""
+    batch = prompts(6, seed=41)
+
+    def serve(separate: bool):
+        target, mtp = models
+        hops = _TracedHops(InProcessHops(TargetWorker(verify_window(target), MAX_SLOTS),
+                                         DraftWorker(mtp, NUM_MTP_LAYERS, MAX_SLOTS)))
+        calls = []  # per target call: (rows prefilled, rows decoding, tokens wide)
+        for name in ("launch_target", "launch_chained"):
+            def traced(batch, *args, launch=getattr(hops, name)):
+                new = int(batch.new.sum())
+                calls.append((new, len(batch.new) - new, batch.token_ids.shape[1]))
+                return launch(batch, *args)
+            setattr(hops, name, traced)
+        engine = Scheduler(hops, limits(), separate_prefill=separate)
+        handles = [Collect() for _ in batch]
+        requests = [GenerationRequest(p, 10 + 2 * n, num_draft_tokens=num_draft_tokens) for n, p in enumerate(batch)]
+        for request, handle in zip(requests, handles):  # one arrives every other step while the others decode
+            engine.submit(request, handle)
+            engine.step()
+            engine.step()
+        engine.run_until_idle()
+        assert engine.slots.num_free == MAX_SLOTS
+        return [h.final.output_ids for h in handles], calls, hops.chained()
+
+    (expected, mixed_calls, mixed_chained), (got, calls, chained) = serve(False), serve(True)
+    assert got == expected
+    assert any(new and decoding for new, decoding, _ in mixed_calls)  # the case at stake happens
+    assert not any(new and decoding for new, decoding, _ in calls)
+    assert max(width for new, _, width in calls if not new) <= num_draft_tokens + 1
+    assert sum(1 for new, _, _ in calls if new) > 1  # several prompts went in calls of their own
+    if num_draft_tokens:
+        assert chained > mixed_chained

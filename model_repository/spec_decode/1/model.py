@@ -29,7 +29,8 @@ class TritonPythonModel:
                                    drain_responses=self.responses.drain if self.responses else None,
                                    stream_interval=int_parameter(params, "stream_interval", 1, default=1),
                                    spec_disable_rows=int_parameter(params, "spec_disable_rows", 0, default=0),
-                                   overlap=flag_parameter(params, "overlap", default=True))
+                                   overlap=flag_parameter(params, "overlap", default=True),
+                                   separate_prefill=flag_parameter(params, "separate_prefill", default=True))
         self.scheduler.start()
 
     def execute(self, requests):
