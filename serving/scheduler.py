@@ -465,13 +465,15 @@ class Scheduler:
     def _chains(self, rows: list[_Sequence], emitted: list[int]) -> bool:
         """Whether a target call over `rows` can draft their next window on the device: every row decodes
         greedily with its full num_draft_tokens drafts (the next window drafts as many) and has no MTP pairs
-        waiting, drafting is on at this many rows, and each row still drafts in full after the calls before
-        that window emit `emitted` (at most) of its tokens, so the host need not know how many they emit."""
+        waiting, drafting is on at this many rows, and each row's next window still fits its KV cache
+        (max_seq_len) after the calls before it emit `emitted` (at most) of its tokens, so the host need not
+        know how many they emit. Near max_tokens a row keeps drafting in full: what it emits past max_tokens
+        is cut (`_emit`), and its statistics count the drafts it was allowed (`_accept`)."""
         if not self._chain or self._spec_disable_rows and len(rows) > self._spec_disable_rows:
             return False
         return all(s.prefilled and len(s.drafts) == s.request.num_draft_tokens > 0 and not s.absorb_tokens
                    and s.request.temperature < GREEDY_TEMPERATURE
-                   and s.request.max_tokens - len(s.output_ids) - n - 1 >= s.request.num_draft_tokens
+                   and len(s.tokens) + n + s.request.num_draft_tokens <= self._limits.max_seq_len
                    for s, n in zip(rows, emitted))
 
     def _launch_chained(self, rows: list[_Sequence], batch: TargetBatch, params: dict[str, torch.Tensor] | None,
@@ -542,9 +544,9 @@ class Scheduler:
 
     def _chain_ahead(self, call: _Launched) -> _Launched | None:
         """The next chained call over `call`'s rows still live, launched with the window `call` drafts as its
-        input before it reaches the host, when each row still drafts in full after both calls."""
-        live = set(self._live)
-        index = [b for b, s in enumerate(call.rows) if s in live]
+        input before it reaches the host, when each row's window still fits its cache after both calls (`_chains`)."""
+        live = set(self._live)  # rows that certainly finish with `call` (max_tokens) are left out
+        index = [b for b, s in enumerate(call.rows) if s in live and len(s.output_ids) + 1 < s.request.max_tokens]
         rows = [call.rows[b] for b in index]
         # `call` emits at most len(drafts) + 1 tokens, the next call num_draft_tokens + 1
         if not rows or not self._chains(rows, [len(s.drafts) + s.request.num_draft_tokens + 2 for s in rows]):
@@ -565,13 +567,15 @@ class Scheduler:
         new_ids = output_ids[: num_accepted + 1]
         new_logprobs = logprobs[: num_accepted + 1]
         if s.prefilled:
-            k = len(s.drafts)
+            # drafts past max_tokens (a chained window drafts in full; `_emit` stops there) are not counted
+            k = min(len(s.drafts), s.request.max_tokens - len(s.output_ids) - 1)
             if k:
+                accepted = min(num_accepted, k)
                 s.total_draft_tokens += k
-                s.total_accepted_draft_tokens += num_accepted
-                for position in range(num_accepted):
+                s.total_accepted_draft_tokens += accepted
+                for position in range(accepted):
                     s.accepted_per_position[position] += 1
-                self.metrics.draft(k, num_accepted)
+                self.metrics.draft(k, accepted)
             pairs = (new_ids, (hop, row, num_accepted + 1), start)  # i = start .. start + num_accepted
         else:
             pairs = (s.tokens[1:] + new_ids[:1], (hop, row, len(s.tokens)), 0)  # the shifted prompt

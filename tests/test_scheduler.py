@@ -376,14 +376,16 @@ class _TracedHops:
         return sum(event == "chained" for event, _ in self.log)
 
     def log_launches(self) -> list[tuple[str, int]]:
-        """Each launch in order: ("ahead", n) when an earlier call was still unread, else ("alone", n)."""
+        """Each launch in order: ("ahead", n) when an earlier call was still unread, else ("alone", n). A call
+        never read (its rows all finished while it ran: the engine leaves it) is in flight for no launch."""
+        read = {n for event, n in self.log if event == "read"}
         unread, launches = set(), []
         for event, n in self.log:
             if event == "read":
                 unread.discard(n)
             else:
                 launches.append(("ahead" if unread else "alone", n))
-                unread.add(n)
+                unread.update({n} & read)
         return launches
 
     def launched_ahead(self) -> int:
