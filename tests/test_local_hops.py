@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import re
+import time
 import urllib.request
 from pathlib import Path
 
@@ -88,12 +89,18 @@ def test_sampled_output_with_a_seed_equals_the_bls_engine(local, bls):
         assert ours.acceptance.accepted_draft_tokens == theirs.acceptance.accepted_draft_tokens
 
 
-def chaining_counters(metrics_url: str) -> tuple[float, float]:
-    """(chained target calls, calls launched ahead) from the server's metrics endpoint."""
+def metric_values(metrics_url: str, *names: str) -> tuple[float, ...]:
+    """The values of `names` (with their labels, or a metric's first series) from the server's metrics endpoint."""
     with urllib.request.urlopen(metrics_url, timeout=10) as response:
         text = response.read().decode()
-    return tuple(float(re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE).group(1))
-                 for name in ("spec_decode_chained_calls", "spec_decode_calls_ahead"))
+    labels = r"(?:\{[^}]*\})?"
+    return tuple(float(re.search(rf"^{re.escape(name)}{'' if '{' in name else labels} (\S+)$", text, re.MULTILINE).group(1))
+                 for name in names)
+
+
+def chaining_counters(metrics_url: str) -> tuple[float, float]:
+    """(chained target calls, calls launched ahead)."""
+    return metric_values(metrics_url, "spec_decode_chained_calls", "spec_decode_calls_ahead")
 
 
 def test_greedy_speculative_steps_chain_through_the_server_and_sampled_ones_do_not(triton_server_for, local_repository,
@@ -110,6 +117,22 @@ def test_greedy_speculative_steps_chain_through_the_server_and_sampled_ones_do_n
     assert sum(len(o.ids) for o in outputs) >= 40, "outputs long enough to chain"
     assert greedy[0] - before[0] >= 10 and greedy[1] - before[1] >= 6, (before, greedy)
     assert sampled[0] == greedy[0], (greedy, sampled)
+
+
+def test_a_stream_left_early_is_cancelled_through_the_response_threads(triton_server_for, local_repository, local):
+    """The response threads ask whether their requests were cancelled (the engine reads their answers): a stream
+    left after its first response is dropped long before its max_tokens, and its slot is freed."""
+    metrics_url = triton_server_for(local_repository).metrics_url
+    cancelled = 'spec_decode_finished_requests{reason="cancelled"}'
+    (before,) = metric_values(metrics_url, cancelled)
+    max_seq_len = json.loads((local_repository / "export.json").read_text())["sizes"]["max_seq_len"]
+    for _ in local.stream(input_ids=[9, 10], max_tokens=max_seq_len - 3, num_draft_tokens=0):
+        break  # leaving the loop cancels the request on the server
+    deadline = time.monotonic() + 60
+    while metric_values(metrics_url, cancelled) == (before,) or metric_values(metrics_url, "spec_decode_free_slots") != (4,):
+        assert time.monotonic() < deadline, "the stream left early was not dropped"
+        time.sleep(0.05)
+    assert local.generate(input_ids=[9, 10], max_tokens=3).finish_reason in ("length", "stop")
 
 
 def test_concurrent_streams_equal_the_same_requests_one_by_one(local):

@@ -527,6 +527,40 @@ def test_response_threads_keep_each_requests_order_and_drain_before_the_next_ste
         ResponseThreads(0)
 
 
+class AskedFrom(Collect):
+    """Records which threads asked whether the request was cancelled."""
+
+    def __init__(self, cancel_after: int | None = None) -> None:
+        super().__init__(cancel_after)
+        self.askers: set[str] = set()
+
+    def is_cancelled(self) -> bool:
+        self.askers.add(threading.current_thread().name)
+        return super().is_cancelled()
+
+
+def test_response_threads_ask_whether_requests_were_cancelled_so_the_engine_thread_does_not(models):
+    """Asking is a round trip to the server in Triton: with response threads, each asks for its own requests
+    every interval and the engine reads the answer it last got. A cancelled request is still dropped early and
+    its slot freed, and only the response threads ever ask."""
+    from triton_mtp.serving.responses import ResponseThreads
+
+    responses = ResponseThreads(2, cancel_check_interval_s=0.005)
+    cancelled, kept = AskedFrom(cancel_after=2), AskedFrom()
+    engine = scheduler(models)  # asks (the handles) every step
+    prompt = prompts(1, seed=7)[0]
+    engine.submit(GenerationRequest(prompt, 60, stream=True), responses.handle(cancelled))
+    engine.submit(GenerationRequest(prompt, 10), responses.handle(kept))
+    while not engine.idle:
+        engine.step()
+        time.sleep(0.002)  # a step's worth of device time, during which the threads send and ask
+    responses.close()
+    assert cancelled.final.finish_reason == "cancelled" and cancelled.final.num_output_tokens < 60
+    assert kept.final.finish_reason == "length"
+    assert engine.slots.num_free == MAX_SLOTS
+    assert cancelled.askers and all(name.startswith("spec_decode-responses-") for name in cancelled.askers | kept.askers)
+
+
 def test_requests_beyond_the_queue_bound_are_refused(models):
     engine = scheduler(models, max_queue_size=2)
     for _ in range(MAX_SLOTS + 2):

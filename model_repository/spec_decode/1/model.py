@@ -23,7 +23,8 @@ class TritonPythonModel:
         hops = triton_io.engine_hops(args)
         metrics = EngineMetrics(self.limits.max_draft_tokens, triton_io.TritonMetricSink())
         threads = int_parameter(params, "response_threads", 0, default=0)
-        self.responses = ResponseThreads(threads) if threads else None  # else sent from the engine's step
+        self.responses = (ResponseThreads(threads, triton_io.CANCEL_CHECK_INTERVAL_S)  # else sent from the engine's
+                          if threads else None)  # step, which also asks whether requests were cancelled
         self.scheduler = Scheduler(hops, self.limits, metrics, self.tokenizer,
                                    cancel_check_interval_s=triton_io.CANCEL_CHECK_INTERVAL_S,
                                    drain_responses=self.responses.drain if self.responses else None,
