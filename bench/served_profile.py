@@ -66,7 +66,8 @@ def measure(server, pid: int, prompts: list[list[int]], k: int, args: argparse.N
 
     def load() -> None:  # n streams, a request each at a time, until the recordings end
         while not stop.is_set():
-            tokens.append(run_level(server.grpc_url, server.metrics_url, prompts, n, n, args.max_tokens, k)["output_tokens"])
+            level = run_level(server.grpc_url, server.metrics_url, prompts, n, n, args.max_tokens, k)
+            tokens.append(level["output_tokens"])
 
     before = server_counters(server.metrics_url)
     start = time.perf_counter()
@@ -114,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         for k in [int(k) for k in args.draft_tokens.split(",")]:
             result["by_k"][str(k)] = level = measure(server, pid, prompts, k, args, out)
             phases = ", ".join(f"{phase} {ms:.3f}" for phase, ms in level["step_ms"].items())
-            print(f"served profile k={k}, {args.streams} streams: {level['tokens_per_s']:.1f} tokens/s, ms per step: {phases}", flush=True)
+            print(f"served profile k={k}, {args.streams} streams: {level['tokens_per_s']:.1f} tokens/s, "
+                  f"ms per step: {phases}", flush=True)
             write_result(out / "summary.json", result)
     return 0
 

@@ -86,8 +86,8 @@ def write_repository(
     replay decode-time calls from captured graphs (serving/graphs.py), captured over torch.compile'd steps
     with `compile_graphs`. `response_threads` > 0 makes `spec_decode` send streamed responses from that
     many threads (serving/responses.py); `stream_interval`, `spec_disable_rows`, `overlap` and
-    `separate_prefill` are the scheduler's (serving/scheduler.py). `switch_interval_us` > 0 sets the Python thread switch interval of
-    `spec_decode`'s process (`sys.setswitchinterval`; 0 keeps Python's 5 ms).
+    `separate_prefill` are the scheduler's (serving/scheduler.py). `switch_interval_us` > 0 sets the
+    Python thread switch interval of `spec_decode`'s process (`sys.setswitchinterval`; 0 keeps Python's 5 ms).
     `tensor_parallel` > 1 (eager format) makes the `target`
     and `mtp` models shard over that many ranks at load (serving/parallel.py). Existing `target`,
     `mtp`, `spec_decode` folders in `repo_dir` are replaced. `hops` "local" makes `spec_decode` run the
