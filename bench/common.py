@@ -23,6 +23,13 @@ from triton_mtp.train.corpus import split_stdlib
 _CODE_START = re.compile(r"^(def|class) ", re.MULTILINE)
 
 
+def bench_max_seq_len(prompt_tokens: int, max_tokens: int, max_draft: int) -> int:
+    """The KV cache length of the benchmarks' exports and loops: the requests, then room for a chained verify
+    window launched ahead from a row's last tokens (the host's worst case: two calls' tokens and a window of k
+    drafts past the last), so that chains hold to the end of a request (serving/scheduler.py `_chains`)."""
+    return prompt_tokens + max_tokens + 3 * max_draft + 2
+
+
 def held_out_prompts(checkpoint: str | Path, count: int, prompt_tokens: int) -> list[list[int]]:
     """`count` prompts of exactly `prompt_tokens` token ids from held-out standard-library files."""
     checkpoint = Path(checkpoint)

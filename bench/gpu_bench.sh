@@ -150,7 +150,7 @@ moe_args=()
 [ -n "${BENCH_MOE:-}" ] && moe_args=(--moe "$BENCH_MOE")
 format_args+=("${moe_args[@]}")
 max_draft=${drafts##*,}
-max_seq_len=$((prompt_tokens + max_tokens + max_draft + 1))
+max_seq_len=$(python -c "from bench.common import bench_max_seq_len as m; print(m($prompt_tokens, $max_tokens, $max_draft))")
 common=(--checkpoint "$checkpoint" --prompts "$prompts" --prompt-tokens "$prompt_tokens" --max-tokens "$max_tokens")
 
 : "${deadline:=${BENCH_DEADLINE_S:-540}}"  # the whole script, report included, ends before this many seconds

@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .common import acceptance_summary, environment, held_out_prompts, latency_summary, synchronize, write_result
+from .common import (
+    acceptance_summary, bench_max_seq_len, environment, held_out_prompts, latency_summary, synchronize, write_result,
+)
 from .graphs import MODES, place_rope, wrap_step
 from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.export.formats import DTYPES
@@ -207,7 +209,7 @@ def run(args: argparse.Namespace) -> dict:
     prompts = held_out_prompts(args.checkpoint, args.prompts, args.prompt_tokens)
     draft_counts = [int(k) for k in args.draft_tokens.split(",") if k] if args.draft_tokens else []
     max_draft = max(draft_counts, default=0)
-    max_seq_len = args.prompt_tokens + args.max_tokens + max_draft + 1
+    max_seq_len = bench_max_seq_len(args.prompt_tokens, args.max_tokens, max_draft)
     moe = args.moe or default_moe_kind(device, DTYPES[args.dtype])
     config, target, mtp = load_checkpoint(args.checkpoint, args.dtype, device, max_slots=1,
                                           max_seq_len=max_seq_len, progress=False, moe=moe)
