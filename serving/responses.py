@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from triton_mtp.serving.requests import GenerationResponse
+from triton_mtp.serving.requests import GenerationRequest, GenerationResponse
 from triton_mtp.serving.scheduler import ResponseHandle
 
 
@@ -29,6 +29,8 @@ class ResponseThreads:
     def __init__(self, threads: int, cancel_check_interval_s: float = 0.05) -> None:
         if threads < 1:
             raise ValueError(f"response_threads: must be >= 1 to send from threads, got {threads}")
+        if not cancel_check_interval_s > 0:
+            raise ValueError(f"cancel_check_interval_s: must be > 0, got {cancel_check_interval_s}")
         self._queues: list[queue.Queue[tuple[Callable, tuple] | None]] = [queue.Queue() for _ in range(threads)]
         self._handles: list[set[_Queued]] = [set() for _ in range(threads)]  # per thread: requests not finished
         self._lock = threading.Lock()
@@ -46,6 +48,17 @@ class ResponseThreads:
         with self._lock:
             self._handles[i].add(queued)
         return queued
+
+    def submit(self, submit: Callable[[GenerationRequest, ResponseHandle], None], request: GenerationRequest,
+               handle: ResponseHandle) -> None:
+        """`submit(request, handle(handle))`; a request it refuses (it raises: the caller answers it) is not
+        asked about again."""
+        queued = self.handle(handle)
+        try:
+            submit(request, queued)
+        except BaseException:
+            queued.done = True
+            raise
 
     def drain(self) -> None:
         """Wait until everything queued so far has been sent."""

@@ -469,8 +469,8 @@ class Scheduler:
         (max_seq_len) after the calls before it emit `emitted` (at most) of its tokens, so the host need not
         know how many they emit. Near max_tokens a row keeps drafting in full: what it emits past max_tokens
         is cut (`_emit`), and its statistics count the drafts it was allowed (`_accept`)."""
-        if not self._chain or self._spec_disable_rows and len(rows) > self._spec_disable_rows:
-            return False
+        if not self._chain or self._spec_disable_rows and len(self._live) > self._spec_disable_rows:
+            return False  # (the live rows, as the step counts them: with prompts apart, more than `rows`)
         return all(s.prefilled and len(s.drafts) == s.request.num_draft_tokens > 0 and not s.absorb_tokens
                    and s.request.temperature < GREEDY_TEMPERATURE
                    and len(s.tokens) + n + s.request.num_draft_tokens <= self._limits.max_seq_len

@@ -1003,3 +1003,73 @@ def test_requests_admitted_while_rows_decode_are_prefilled_in_a_call_of_their_ow
     assert sum(1 for new, _, _ in calls if new) > 1  # several prompts went in calls of their own
     if num_draft_tokens:
         assert chained > mixed_chained
+
+
+def test_a_request_refused_while_response_threads_send_is_not_asked_about_again(models):
+    """A request the engine refuses (QueueFull) is answered by its caller; its sending thread must not keep
+    asking the server whether it was cancelled (a round trip every interval, for good)."""
+    from triton_mtp.serving.responses import ResponseThreads
+
+    responses = ResponseThreads(1, cancel_check_interval_s=0.005)
+    engine = scheduler(models, max_slots=1, max_queue_size=0)
+    kept, refused = AskedFrom(), AskedFrom()
+    prompt = prompts(1, seed=9)[0]
+    responses.submit(engine.submit, GenerationRequest(prompt, 8), kept)
+    with pytest.raises(QueueFull):
+        responses.submit(engine.submit, GenerationRequest(prompt, 8), refused)
+    time.sleep(0.05)  # ten intervals
+    engine.run_until_idle()
+    responses.close()
+    assert kept.final.finish_reason == "length" and kept.askers and not refused.askers
+    with pytest.raises(ValueError, match="cancel_check_interval_s"):
+        ResponseThreads(1, cancel_check_interval_s=0)
+
+
+def test_chained_windows_stay_inside_the_kv_cache_when_requests_fill_it(models):
+    """Requests whose prompt and max_tokens fill the KV cache chain their steps until the next window would not
+    fit: no call writes a position past max_seq_len, and the tokens are plain greedy decoding's."""
+    target, mtp = models
+    written = []
+
+    def logged_target(token_ids, positions, slot_ids):
+        written.append(int(positions.max()))
+        return target(token_ids, positions, slot_ids)
+
+    def logged_mtp(token_ids, hidden, positions, slot_ids, layer=0):
+        written.append(int(positions.max()))
+        return mtp(token_ids, hidden, positions, slot_ids, layer)
+
+    batch = prompts(3, seed=51)
+    requests = [GenerationRequest(p, MAX_SEQ_LEN - len(p), num_draft_tokens=3) for p in batch]
+    plain = [h.final.output_ids for h in run(scheduler(models), [GenerationRequest(p, r.max_tokens)
+                                                                 for p, r in zip(batch, requests)])]
+    hops = _TracedHops(InProcessHops(TargetWorker(verify_window(logged_target), MAX_SLOTS),
+                                     DraftWorker(logged_mtp, NUM_MTP_LAYERS, MAX_SLOTS)))
+    got = run(Scheduler(hops, limits()), requests)
+    assert [h.final.output_ids for h in got] == plain
+    assert [h.final.finish_reason for h in got] == ["length"] * len(batch)
+    assert hops.chained() > 10 and max(written) == MAX_SEQ_LEN - 1  # up to the last position, and not past it
+
+
+def test_drafting_stays_off_in_a_step_that_prefills_apart_when_the_live_rows_exceed_spec_disable_rows(models):
+    """`spec_disable_rows` counts every live row, including those whose prompts go in a call of their own: a
+    step that admits a request beyond the limit does not chain the others."""
+    target, mtp = models
+    hops = _TracedHops(InProcessHops(TargetWorker(verify_window(target), MAX_SLOTS),
+                                     DraftWorker(mtp, NUM_MTP_LAYERS, MAX_SLOTS)))
+    engine = Scheduler(hops, limits(), spec_disable_rows=1)
+    live_at_chained = []
+    launch = hops.launch_chained
+
+    def traced(batch):
+        live_at_chained.append(len(engine._live))
+        return launch(batch)
+
+    hops.launch_chained = traced
+    first, second = prompts(2, seed=61)
+    engine.submit(GenerationRequest(first, 30, num_draft_tokens=2), Collect())
+    for _ in range(4):
+        engine.step()
+    engine.submit(GenerationRequest(second, 10, num_draft_tokens=2), Collect())
+    engine.run_until_idle()
+    assert live_at_chained and set(live_at_chained) == {1}

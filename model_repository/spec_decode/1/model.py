@@ -25,8 +25,10 @@ class TritonPythonModel:
         threads = int_parameter(params, "response_threads", 0, default=0)
         self.responses = (ResponseThreads(threads, triton_io.CANCEL_CHECK_INTERVAL_S)  # else sent from the engine's
                           if threads else None)  # step, which also asks whether requests were cancelled
+        # with response threads the engine reads their answers to whether a request was cancelled: every step
+        cancel_check_interval_s = 0.0 if self.responses else triton_io.CANCEL_CHECK_INTERVAL_S
         self.scheduler = Scheduler(hops, self.limits, metrics, self.tokenizer,
-                                   cancel_check_interval_s=triton_io.CANCEL_CHECK_INTERVAL_S,
+                                   cancel_check_interval_s=cancel_check_interval_s,
                                    drain_responses=self.responses.drain if self.responses else None,
                                    stream_interval=int_parameter(params, "stream_interval", 1, default=1),
                                    spec_disable_rows=int_parameter(params, "spec_disable_rows", 0, default=0),
@@ -39,7 +41,10 @@ class TritonPythonModel:
         return None
 
     def submit(self, request, sender):
-        self.scheduler.submit(request, self.responses.handle(sender) if self.responses else sender)
+        if self.responses is None:
+            self.scheduler.submit(request, sender)
+        else:
+            self.responses.submit(self.scheduler.submit, request, sender)
 
     def finalize(self):
         self.scheduler.stop()
