@@ -56,6 +56,8 @@ class EngineMetrics:
         labelled = ("spec_decode_num_accepted_tokens_per_pos", "spec_decode_finished_requests", "spec_decode_step_seconds")
         self.counters = {name: 0 for name in COUNTERS if name not in labelled}
         self.accepted_per_position = [0] * max_draft_tokens
+        self._position_keys = [("spec_decode_num_accepted_tokens_per_pos", (("position", str(position)),))
+                               for position in range(max_draft_tokens)]  # their `_pending` keys, built once
         self.finished = {reason: 0 for reason in FINISH_REASONS}
         self.gauges = {name: 0 for name in GAUGES}
         self.step_seconds = {phase: 0.0 for phase in STEP_PHASES}
@@ -79,8 +81,10 @@ class EngineMetrics:
         if labels is None:
             self.counters[name] += value
         if self._sink is not None and value:
-            key = (name, tuple(sorted((labels or {}).items())))
-            self._pending[key] = self._pending.get(key, 0) + value
+            self._pend((name, tuple(sorted(labels.items())) if labels else ()), value)
+
+    def _pend(self, key: tuple[str, tuple[tuple[str, str], ...]], value: float) -> None:
+        self._pending[key] = self._pending.get(key, 0) + value
 
     def flush(self) -> None:
         """Hand the coalesced increments to the sink."""
@@ -109,9 +113,10 @@ class EngineMetrics:
         self._add("spec_decode_num_drafts", 1)
         self._add("spec_decode_num_draft_tokens", num_draft)
         self._add("spec_decode_num_accepted_tokens", num_accepted)
-        for position in range(num_accepted):
+        for position in range(num_accepted):  # once per accepted token: the labelled key is not built each time
             self.accepted_per_position[position] += 1
-            self._add("spec_decode_num_accepted_tokens_per_pos", 1, {"position": str(position)})
+            if self._sink is not None:
+                self._pend(self._position_keys[position], 1)
 
     def step(self, seconds: dict[str, float]) -> None:
         """One engine step took `seconds` per phase (STEP_PHASES)."""
