@@ -9,8 +9,8 @@ compiled for static shapes; then the standalone loop's `torch.compile(mode="redu
     python -m bench.graph_time --checkpoint models/tiny-dsv3-mtp --out graph_time.json
     python -m bench.graph_time --checkpoint models/tiny-dsv3-mtp --batch 1,32 --builds served --out graph_time.json
 
-`--batch`: the batch sizes timed (each a bucket of the graphs); `--builds`: the builds timed, by the first
-word of their name ("eager", "compiled", "static", "standalone"; "served" is "compiled").
+`--batch`: the batch sizes timed (each a bucket of the graphs); `--builds`: the builds timed (`BUILDS`' keys,
+and "standalone").
 """
 from __future__ import annotations
 
@@ -27,12 +27,11 @@ from triton_mtp.serving.workers import verify_window
 from .common import environment, write_result
 from .graphs import CompiledStep, place_rope
 
-BUILDS = {
-    "eager": lambda step: step,
-    "compiled, dynamic shapes (served)": compile_step,
-    "static, compiled for static shapes": lambda step: torch.compile(step, dynamic=False, options=COMPILE_OPTIONS),
+BUILDS = {  # --builds name: (label, build)
+    "eager": ("eager", lambda step: step),
+    "served": ("compiled, dynamic shapes (served)", compile_step),
+    "static": ("compiled, static shapes", lambda step: torch.compile(step, dynamic=False, options=COMPILE_OPTIONS)),
 }
-ALIASES = {"served": "compiled"}
 
 
 def replay_ms(replay, repeats: int) -> float:
@@ -53,7 +52,9 @@ def run(args: argparse.Namespace) -> dict:
     device = torch.device("cuda")
     width = target_width(args.max_draft)
     batches = [int(b) for b in args.batch.split(",")]
-    builds = {ALIASES.get(b, b) for b in args.builds.split(",")}
+    builds = args.builds.split(",")
+    if unknown := set(builds) - set(BUILDS) - {"standalone"}:
+        raise ValueError(f"--builds: unknown {sorted(unknown)}; choose from {sorted(BUILDS) + ['standalone']}")
     _, target, _ = load_checkpoint(args.checkpoint, "bf16", device, max_slots=max(batches),
                                    max_seq_len=args.max_seq_len, progress=False)
     place_rope(target, device)
@@ -65,9 +66,7 @@ def run(args: argparse.Namespace) -> dict:
         results["ms"][label] = ms
         print(f"{label}: {ms:.3f} ms per replay{note}", flush=True)
 
-    for name, build in BUILDS.items():
-        if name.split(",")[0] not in builds:
-            continue
+    for name, build in (BUILDS[b] for b in builds if b in BUILDS):
         torch._dynamo.reset()
         start = time.perf_counter()
         graphed = GraphedTarget(verify_window(build(target)), max(batches), width, device)
@@ -98,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seq-len", type=int, default=261)
     parser.add_argument("--repeats", type=int, default=300)
     parser.add_argument("--batch", default="1", help="comma-separated batch sizes, each a graph bucket")
-    parser.add_argument("--builds", default="eager,compiled,static,standalone", help="comma-separated builds timed")
+    parser.add_argument("--builds", default="eager,served,static,standalone", help="comma-separated builds timed")
     parser.add_argument("--out", help="result JSON file")
     run(parser.parse_args(argv))
     return 0

@@ -309,10 +309,10 @@ class Scheduler:
             if drafting:
                 self._guarded(drafting, self._propose)
             rows = [s for s in live if s in self._live]
-            new = [s for s in rows if not s.prefilled]
-            if self._separate_prefill and 0 < len(new) < len(rows):
-                self._guarded(new, self._verify)  # the prompts in a call of their own
-                rows = [s for s in rows if s not in new and s in self._live]
+            decoding = [s for s in rows if s.prefilled] if self._separate_prefill else rows
+            if 0 < len(decoding) < len(rows):
+                self._guarded([s for s in rows if not s.prefilled], self._verify)  # the prompts in a call of their own
+                rows = [s for s in decoding if s in self._live]
             self._guarded(rows, self._verify)
         if live:
             self.metrics.step({**self._phases, "engine": time.perf_counter() - start - sum(self._phases.values())})

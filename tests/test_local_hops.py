@@ -68,6 +68,15 @@ def test_the_repository_holds_spec_decode_alone_with_the_artifacts_inside(local_
     assert manifest["artifacts"]["target"] == "spec_decode/1/target/target.pt"
 
 
+def test_the_engine_runs_with_the_exported_thread_switch_interval(triton_server_for, local_repository):
+    """`spec_decode` sets the switch interval its config gives (the export's default, 100 us) and says so."""
+    log_path = triton_server_for(local_repository).log_path
+    deadline = time.monotonic() + 30
+    while "spec_decode: thread switch interval 100 us" not in log_path.read_text(errors="replace"):
+        assert time.monotonic() < deadline, "the stub did not report its switch interval"
+        time.sleep(0.1)
+
+
 def test_greedy_output_equals_the_bls_engine_for_every_k(local, bls):
     for k in range(5):  # k = 3, 4 reuse the two MTP layers cyclically
         for prompt in prompts(4, seed=k):

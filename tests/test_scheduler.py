@@ -64,10 +64,13 @@ def limits(**overrides) -> EngineLimits:
     return EngineLimits(**{**values, **overrides})
 
 
+def in_process_hops(target, mtp) -> InProcessHops:
+    return InProcessHops(TargetWorker(verify_window(target), MAX_SLOTS), DraftWorker(mtp, NUM_MTP_LAYERS, MAX_SLOTS))
+
+
 def scheduler(models, clock=None, metrics=None, cancel_check_interval_s=0.0, drain_responses=None, stream_interval=1,
               tokenizer=None, spec_disable_rows=0, **overrides) -> Scheduler:
-    target, mtp = models
-    hops = InProcessHops(TargetWorker(verify_window(target), MAX_SLOTS), DraftWorker(mtp, NUM_MTP_LAYERS, MAX_SLOTS))
+    hops = in_process_hops(*models)
     return Scheduler(hops, limits(**overrides), metrics, tokenizer, **({"clock": clock} if clock else {}),
                      cancel_check_interval_s=cancel_check_interval_s, drain_responses=drain_responses,
                      stream_interval=stream_interval, spec_disable_rows=spec_disable_rows)
@@ -405,9 +408,7 @@ def test_overlapped_steps_emit_what_one_call_at_a_time_emits(models, temperature
     eos = probe.final.output_ids[4]  # request 0 stops on EOS after 4 tokens, greedy
 
     def serve(overlap: bool):
-        target, mtp = models
-        hops = _TracedHops(InProcessHops(TargetWorker(verify_window(target), MAX_SLOTS),
-                                         DraftWorker(mtp, NUM_MTP_LAYERS, MAX_SLOTS)))
+        hops = _TracedHops(in_process_hops(*models))
         engine = Scheduler(hops, limits(eos_token_id=eos), overlap=overlap, spec_disable_rows=3 if num_draft_tokens else 0)
         handles = [Collect(cancel_after=3 if n == 2 and not num_draft_tokens else None) for n in range(len(batch))]
         requests = [GenerationRequest(p, 12 + 3 * n, stream=True, temperature=temperature, seed=n, return_logprobs=True,
@@ -909,9 +910,7 @@ def test_chained_steps_draft_on_the_device_what_the_mtp_hop_drafts(models, k):
     eos = plain[1][9]
 
     def serve(overlap: bool):
-        target, mtp = models
-        hops = _TracedHops(InProcessHops(TargetWorker(verify_window(target), MAX_SLOTS),
-                                         DraftWorker(mtp, NUM_MTP_LAYERS, MAX_SLOTS)))
+        hops = _TracedHops(in_process_hops(*models))
         engine = Scheduler(hops, limits(eos_token_id=eos), overlap=overlap)
         handles = [Collect() for _ in batch]
         requests = [GenerationRequest(p, 16 + 3 * n, num_draft_tokens=k) for n, p in enumerate(batch)]
@@ -947,9 +946,7 @@ def test_calls_go_ahead_while_requests_wait_for_a_busy_slot(models, num_draft_to
     batch = prompts(5, seed=31)
 
     def serve(overlap: bool):
-        target, mtp = models
-        hops = _TracedHops(InProcessHops(TargetWorker(verify_window(target), MAX_SLOTS),
-                                         DraftWorker(mtp, NUM_MTP_LAYERS, MAX_SLOTS)))
+        hops = _TracedHops(in_process_hops(*models))
         engine = Scheduler(hops, limits(max_slots=2), overlap=overlap)
         waiting_at_launch = []
         hops.on_launch = lambda: waiting_at_launch.append(len(engine._waiting))
@@ -974,9 +971,7 @@ def test_requests_admitted_while_rows_decode_are_prefilled_in_a_call_of_their_ow
     batch = prompts(6, seed=41)
 
     def serve(separate: bool):
-        target, mtp = models
-        hops = _TracedHops(InProcessHops(TargetWorker(verify_window(target), MAX_SLOTS),
-                                         DraftWorker(mtp, NUM_MTP_LAYERS, MAX_SLOTS)))
+        hops = _TracedHops(in_process_hops(*models))
         calls = []  # per target call: (rows prefilled, rows decoding, tokens wide)
         for name in ("launch_target", "launch_chained"):
             def traced(batch, *args, launch=getattr(hops, name)):
@@ -1043,8 +1038,7 @@ def test_chained_windows_stay_inside_the_kv_cache_when_requests_fill_it(models):
     requests = [GenerationRequest(p, MAX_SEQ_LEN - len(p), num_draft_tokens=3) for p in batch]
     plain = [h.final.output_ids for h in run(scheduler(models), [GenerationRequest(p, r.max_tokens)
                                                                  for p, r in zip(batch, requests)])]
-    hops = _TracedHops(InProcessHops(TargetWorker(verify_window(logged_target), MAX_SLOTS),
-                                     DraftWorker(logged_mtp, NUM_MTP_LAYERS, MAX_SLOTS)))
+    hops = _TracedHops(in_process_hops(logged_target, logged_mtp))
     got = run(Scheduler(hops, limits()), requests)
     assert [h.final.output_ids for h in got] == plain
     assert [h.final.finish_reason for h in got] == ["length"] * len(batch)
@@ -1054,9 +1048,7 @@ def test_chained_windows_stay_inside_the_kv_cache_when_requests_fill_it(models):
 def test_drafting_stays_off_in_a_step_that_prefills_apart_when_the_live_rows_exceed_spec_disable_rows(models):
     """`spec_disable_rows` counts every live row, including those whose prompts go in a call of their own: a
     step that admits a request beyond the limit does not chain the others."""
-    target, mtp = models
-    hops = _TracedHops(InProcessHops(TargetWorker(verify_window(target), MAX_SLOTS),
-                                     DraftWorker(mtp, NUM_MTP_LAYERS, MAX_SLOTS)))
+    hops = _TracedHops(in_process_hops(*models))
     engine = Scheduler(hops, limits(), spec_disable_rows=1)
     live_at_chained = []
     launch = hops.launch_chained

@@ -17,15 +17,16 @@ class TritonPythonModel:
         params = triton_io.model_parameters(args)
         if (interval := switch_interval_s(params)) is not None:  # the engine's thread, the response threads and
             sys.setswitchinterval(interval)  # `execute` share one GIL: a short interval bounds the engine's waits
+            triton_io.log(f"spec_decode: thread switch interval {sys.getswitchinterval() * 1e6:.0f} us")
         self.limits = engine_limits(params)
         tokenizer_path = triton_io.artifact_dir(args) / "tokenizer.json"
         self.tokenizer = TokenizerFile(tokenizer_path) if tokenizer_path.exists() else None
         hops = triton_io.engine_hops(args)
         metrics = EngineMetrics(self.limits.max_draft_tokens, triton_io.TritonMetricSink())
         threads = int_parameter(params, "response_threads", 0, default=0)
-        self.responses = (ResponseThreads(threads, triton_io.CANCEL_CHECK_INTERVAL_S)  # else sent from the engine's
-                          if threads else None)  # step, which also asks whether requests were cancelled
-        # with response threads the engine reads their answers to whether a request was cancelled: every step
+        # Response threads send streamed responses and ask whether requests were cancelled; the engine then reads
+        # their answers every step. Without them the engine's step does both, asking at most every interval.
+        self.responses = ResponseThreads(threads, triton_io.CANCEL_CHECK_INTERVAL_S) if threads else None
         cancel_check_interval_s = 0.0 if self.responses else triton_io.CANCEL_CHECK_INTERVAL_S
         self.scheduler = Scheduler(hops, self.limits, metrics, self.tokenizer,
                                    cancel_check_interval_s=cancel_check_interval_s,
