@@ -93,8 +93,9 @@ class ResponseThreads:
                 asked = time.monotonic()
 
     def _ask_cancelled(self, i: int) -> None:
-        with self._lock:
-            self._handles[i] = live = {h for h in self._handles[i] if not h.done}
+        with self._lock:  # a copy to ask from: `handle()` adds to the set meanwhile
+            self._handles[i] = {h for h in self._handles[i] if not h.done}
+            live = list(self._handles[i])
         for h in live:
             try:
                 h.cancelled = h.cancelled or h.handle.is_cancelled()

@@ -1000,6 +1000,34 @@ def test_requests_admitted_while_rows_decode_are_prefilled_in_a_call_of_their_ow
         assert chained > mixed_chained
 
 
+def test_requests_arriving_while_a_response_thread_asks_about_others_leave_it_sending():
+    """`handle()` (the server's `execute`) adds requests while a response thread asks about the ones it has: the
+    thread asks from a copy, so it keeps running and sends what comes after."""
+    from triton_mtp.serving.responses import ResponseThreads
+
+    responses = ResponseThreads(1, cancel_check_interval_s=0.005)
+    arrived = []
+
+    class ArrivingWhileAsked(Collect):
+        def is_cancelled(self) -> bool:
+            if not arrived:  # a request arrives in the middle of the thread's asking
+                arrived.append(responses.handle(Collect()))
+            return False
+
+    responses.handle(ArrivingWhileAsked())
+    deadline = time.monotonic() + 10
+    while not arrived:
+        assert time.monotonic() < deadline, "the thread never asked"
+        time.sleep(0.005)
+    later = Collect()
+    responses.handle(later).send(GenerationResponse("", [1], None, "length", 1, 1, 0, 0, []), True)
+    while not later.responses:  # sent only if the thread still runs
+        assert time.monotonic() < deadline, "the response thread stopped sending"
+        time.sleep(0.005)
+    responses.close()
+    assert later.final.output_ids == [1]
+
+
 def test_a_request_refused_while_response_threads_send_is_not_asked_about_again(models):
     """A request the engine refuses (QueueFull) is answered by its caller; its sending thread must not keep
     asking the server whether it was cancelled (a round trip every interval, for good)."""
