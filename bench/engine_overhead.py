@@ -72,6 +72,8 @@ class TimedStep:
 
     def __init__(self, step, device: torch.device, timed: bool = True) -> None:
         self.step, self.device, self.seconds, self.timed = step, device, 0.0, timed
+        if hasattr(step, "place"):  # the graphed target's: where its inputs go (untimed, as batches move)
+            self.place = step.place
 
     def __call__(self, *inputs):
         if not self.timed:

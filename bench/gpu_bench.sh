@@ -61,13 +61,16 @@
 # (export/moe.py) of the export, standalone and engine stages (default: the export's default).
 # BENCH_SMOKE=1: tiny sizes on CPU (fp32, eager, 2 prompts of 16 tokens, k=1,2, streams 1,2; a synthetic
 # checkpoint when none is given) so the whole script is known to run. BENCH_REPOSITORY=<dir> serves an
-# existing repository instead of exporting. BENCH_FORMAT picks the export format.
+# existing repository instead of exporting. BENCH_LOCAL_REPOSITORY=<dir>: the local-hops export goes there and
+# stays; a later run on the same machine given the same dir serves it without exporting again (A/B runs
+# after a full one). BENCH_FORMAT picks the export format.
 set -uo pipefail
 : "${OUT:?set OUT to the results directory}"
 repo=$(pwd)
 checkpoint=${1:-}
 [ -n "$checkpoint" ] && { checkpoint=$(cd "$checkpoint" && pwd) || { echo "checkpoint directory not found: $1"; exit 1; }; }
 [ -n "${BENCH_REPOSITORY:-}" ] && BENCH_REPOSITORY=$(cd "$BENCH_REPOSITORY" && pwd)
+[ -n "${BENCH_LOCAL_REPOSITORY:-}" ] && BENCH_LOCAL_REPOSITORY=$(realpath -m "$BENCH_LOCAL_REPOSITORY")
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 work=$(mktemp -d)
@@ -249,9 +252,11 @@ if [ -d "$repository/spec_decode" ]; then
 else
     say "stage triton skipped: no model repository at $repository"
 fi
-local_repository=$work/repository_local  # the same export with --hops local: the workers inside spec_decode
+local_repository=${BENCH_LOCAL_REPOSITORY:-$work/repository_local}  # the same export with --hops local: the workers inside spec_decode
 if [ -n "${BENCH_REPOSITORY:-}" ]; then
     say "stage export_local skipped: BENCH_REPOSITORY serves a given repository"
+elif [ -n "${BENCH_LOCAL_REPOSITORY:-}" ] && [ -f "$local_repository/spec_decode/config.pbtxt" ]; then
+    say "stage export_local skipped: BENCH_LOCAL_REPOSITORY holds an earlier run's export"
 else
     stage export_local "${BENCH_EXPORT_S:-90}" "${export_cmd[@]}" --repository "$local_repository" --hops local
 fi

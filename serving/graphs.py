@@ -18,6 +18,12 @@ K (`workers.draft_chain`, its K MTP calls and the ops between them), so a greedy
 two graphs and few kernels besides. Sampled steps draw between calls and replay the per-layer `mtp`
 graphs.
 
+The host's work per replay is kept to a few torch calls, each of which lets go of the GIL (transfers.py):
+a graph's int64 inputs are views of one buffer, which the inputs given on the host fill with one copy,
+written with numpy (`_GraphedStep._stage`); `GraphedTarget.place` writes them before the call, so that
+work chained on the call reads them where they are; and the target's greedy results leave as one tensor
+(`workers.window_results`).
+
 Graphs of one worker share one memory pool for their intermediates (captured largest first): they
 never run at once, and callers read the outputs before the next replay. Each bucket keeps its own
 static inputs and outputs, about 4 · b · W · (V + H) bytes per bucket b: for a 129k vocabulary, 64
@@ -30,19 +36,43 @@ import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from triton_mtp.serving.requests import flag_parameter
+from triton_mtp.serving.transfers import TO_DEVICE, to_device
 from triton_mtp.serving.workers import draft_chain, verify_window
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 Step = Callable[..., tuple[torch.Tensor, ...]]
 
 
+def static_inputs(example_inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor | None,
+                                                                    list[tuple[int, int] | None]]:
+    """Static copies of `example_inputs` for a replay to read, the int64 ones side by side in one buffer (a
+    call writes them from the host with one copy): the copies, that buffer (None without int64 inputs) and
+    each copy's span [start, end) in it (None: a tensor of its own)."""
+    ids = [x for x in example_inputs if x.dtype == torch.int64]
+    packed = torch.cat([x.reshape(-1) for x in ids]) if ids else None  # [n]
+    copies, spans, start = [], [], 0
+    for x in example_inputs:
+        if x.dtype == torch.int64:
+            copies.append(packed[start: start + x.numel()].view(x.shape))
+            spans.append((start, start + x.numel()))
+            start += x.numel()
+        else:
+            copies.append(x.clone())
+            spans.append(None)
+    return copies, packed, spans
+
+
 class _StaticReplay:
-    """A step over static input buffers: `replay()` runs on what `inputs` hold, a call copies into them first."""
+    """A step over static input buffers: `replay()` runs on what `inputs` hold, a call copies into them first.
+    The int64 inputs are views of one buffer, `packed`, at their `spans` in it (`static_inputs`)."""
 
     inputs: list[torch.Tensor]
+    packed: torch.Tensor | None
+    spans: list[tuple[int, int] | None]
 
     def replay(self) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
@@ -60,7 +90,7 @@ class CapturedStep(_StaticReplay):
     """
 
     def __init__(self, step: Step, example_inputs: Sequence[torch.Tensor], warmup: int = 2, pool=None) -> None:
-        self.inputs = [x.clone() for x in example_inputs]
+        self.inputs, self.packed, self.spans = static_inputs(example_inputs)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.no_grad():
@@ -81,7 +111,7 @@ class EagerReplay(_StaticReplay):
 
     def __init__(self, step: Step, example_inputs: Sequence[torch.Tensor], pool=None) -> None:
         self.step = step
-        self.inputs = [x.clone() for x in example_inputs]
+        self.inputs, self.packed, self.spans = static_inputs(example_inputs)
 
     def replay(self) -> tuple[torch.Tensor, ...]:
         with torch.no_grad():
@@ -193,12 +223,30 @@ class _GraphedStep:
         B, T = token_ids.shape
         return 0 < B <= self.buckets[-1] and T <= self.width
 
+    def _graph(self, key: int | None, B: int) -> _StaticReplay:
+        """The graph of family `key` that a call of B rows replays: the smallest bucket >= B."""
+        return self.graphs[key, next(size for size in self.buckets if size >= B)]
+
     def _replay(self, key: int | None, given: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Pad to the smallest bucket >= B and the family's width and replay: the graph's own output
-        buffers, whose first B rows are the call's."""
+        buffers, whose first B rows are the call's. Inputs that `place` put there already are not copied."""
+        graph = self._graph(key, given[0].shape[0])
+        placed, self._placed = self._placed, None
+        if placed is None or any(x is not p for x, p in zip(given, placed)):
+            self._write(graph, given)
+        with self.on_device():
+            return graph.replay()
+
+    _placed: list[torch.Tensor] | None = None  # what the last `place` returned, until the call that takes it
+
+    def _write(self, graph: _StaticReplay, given: Sequence[torch.Tensor]) -> None:
+        """Copy a call's inputs (host or device tensors) into `graph`'s static inputs, padded: the int64 ones
+        given on the host with one transfer (`_stage`), each other one with a copy of its own."""
         B, T = given[0].shape
-        graph = self.graphs[key, next(size for size in self.buckets if size >= B)]
-        for spec, static, x in zip(self.inputs, graph.inputs, given):
+        staged = self._stage(graph, given)
+        for i, (spec, static, x) in enumerate(zip(self.inputs, graph.inputs, given)):
+            if i in staged:
+                continue
             if x.shape == static.shape:  # no padding to write: one copy
                 static.copy_(x)
                 continue
@@ -208,8 +256,43 @@ class _GraphedStep:
                 static[:B, :T] = x
             else:
                 static[:B] = x
-        with self.on_device():
-            return graph.replay()
+
+    def _stage(self, graph: _StaticReplay, given: Sequence[torch.Tensor]) -> list[int]:
+        """Write the int64 inputs given on the host into `graph`'s packed inputs (`static_inputs`), padded, with
+        numpy (no torch call each) and one copy to the device, where they are one span of it (those given on
+        the device come first: the tokens, or the window, a call launched ahead takes from the call before
+        it). Returns the inputs written."""
+        host = [i for i, x in enumerate(given) if graph.spans[i] is not None and x.device.type == "cpu"]
+        if not host:
+            return host
+        start, end = min(graph.spans[i][0] for i in host), max(graph.spans[i][1] for i in host)
+        if end - start != sum(graph.spans[i][1] - graph.spans[i][0] for i in host):
+            return []  # not one span: copied one by one
+        B, T = given[0].shape
+        with self._staging(graph, start, end) as array:  # int64 [end - start]
+            for i in host:
+                spec, (first, last), x = self.inputs[i], graph.spans[i], given[i].numpy()
+                view = array[first - start: last - start].reshape(graph.inputs[i].shape)
+                if x.shape == view.shape:
+                    view[...] = x
+                    continue
+                view.fill(spec.pad)
+                if spec.per_token:
+                    view[:B, :T] = x
+                else:
+                    view[:B] = x
+        return host
+
+    @contextlib.contextmanager
+    def _staging(self, graph: _StaticReplay, start: int, end: int):
+        """An int64 numpy array whose values end up in graph.packed[start:end]: that memory itself on the host,
+        else a pinned buffer copied there once written (the stream orders the copy before the replay)."""
+        if self.device.type != "cuda":
+            yield graph.packed[start:end].numpy()
+            return
+        with TO_DEVICE.take(8 * (end - start), torch.cuda.current_stream(self.device)) as (pinned, array):
+            yield array.view(np.int64)
+            graph.packed[start:end].copy_(pinned.view(torch.int64), non_blocking=True)
 
 
 def _leading(buffer: torch.Tensor, rows: int, columns: int | None = None) -> torch.Tensor:
@@ -258,16 +341,33 @@ class GraphedTarget(_GraphedStep):
     def name(self, key: int | None = None) -> str:
         return "target" if key is None else f"the {key}-token target"
 
+    def place(self, token_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
+              num_draft: torch.Tensor) -> list[torch.Tensor]:
+        """A call's inputs (host or device tensors) on the device: written into the static inputs of the graph
+        the call replays, which it then copies nothing into (pass the tensors returned), or moved
+        (`transfers.to_device`) for a call that runs eager. Valid until the next call."""
+        if not self._fits(token_ids):
+            return to_device([token_ids, positions, slot_ids, num_draft], self.device)
+        B, T = token_ids.shape
+        graph = self._graph(1 if T == 1 else self.width, B)
+        given = (token_ids, positions, slot_ids, num_draft)
+        self._write(graph, given)
+        self._placed = [_leading(static, B, T if spec.per_token else None)
+                        for spec, static in zip(self.inputs, graph.inputs)]
+        return self._placed
+
     def __call__(self, token_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
                  num_draft: torch.Tensor, K: int, greedy: bool = True) -> tuple[torch.Tensor, ...]:
-        """As `verify_window`'s step; a replay computes the greedy verification whatever `greedy` says."""
+        """As `verify_window`'s step; a replay computes the greedy verification whatever `greedy` says, and its
+        `window_results` are as wide as the graph's window (results past K + 1 are padding: ids -1)."""
         if not self._fits(token_ids):
-            return self.step(token_ids, positions, slot_ids, num_draft, K, greedy)
+            return self.step(*to_device([token_ids, positions, slot_ids, num_draft], self.device), K, greedy)
         B, T = token_ids.shape
-        window_logits, draft_ids, num_accepted, output_ids, logprobs, hidden = self._replay(
+        window_logits, draft_ids, num_accepted, output_ids, logprobs, hidden, results = self._replay(
             1 if T == 1 else self.width, (token_ids, positions, slot_ids, num_draft))
         return (_leading(window_logits, B, K + 1), _leading(draft_ids, B, K), _leading(num_accepted, B),
-                _leading(output_ids, B, K + 1), _leading(logprobs, B, K + 1), _leading(hidden, B, T))
+                _leading(output_ids, B, K + 1), _leading(logprobs, B, K + 1), _leading(hidden, B, T),
+                _leading(results, B))
 
 
 class GraphedMTP(_GraphedStep):

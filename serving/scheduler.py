@@ -35,6 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 
 from triton_mtp.serving.metrics import EngineMetrics
@@ -43,7 +44,8 @@ from triton_mtp.serving.requests import (
 )
 from triton_mtp.serving.sampling import GREEDY_TEMPERATURE
 from triton_mtp.serving.slots import SlotPool
-from triton_mtp.serving.workers import DraftBatch, DraftResult, PendingTarget, TargetBatch, packed_copy
+from triton_mtp.serving.transfers import packed_copy
+from triton_mtp.serving.workers import DraftBatch, DraftResult, PendingTarget, TargetBatch
 
 
 class Hops(Protocol):
@@ -533,9 +535,9 @@ class Scheduler:
             token_ids = token_ids.index_select(0, kept)  # [B', 1]
         starts = [len(s.tokens) for s in rows]  # where the tokens `call` emits go
         params = _next_params(call, rows)
-        batch = TargetBatch(**params, token_ids=token_ids,
-                            positions=torch.tensor(starts, dtype=torch.int64).view(-1, 1),  # [B', 1]
-                            num_draft=torch.zeros(len(rows), dtype=torch.int64))  # [B']
+        batch = TargetBatch(**params, token_ids=token_ids,  # host tensors over numpy: no torch op (transfers.py)
+                            positions=torch.from_numpy(np.array(starts, dtype=np.int64).reshape(-1, 1)),  # [B', 1]
+                            num_draft=torch.from_numpy(np.zeros(len(rows), dtype=np.int64)))  # [B']
         hidden = any(s.request.num_draft_tokens for s in rows)  # their pairs wait for a step that drafts
         pending = self._timed("target", self._hops.launch_target, batch, hidden)
         self.metrics.hop()

@@ -17,10 +17,8 @@ The hop payloads are dataclasses of tensors whose field names are the Triton ten
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,7 +27,8 @@ import torch
 
 from triton_mtp.serving.rejection import verify as verify_drafts
 from triton_mtp.serving.rejection import verify_greedy
-from triton_mtp.serving.sampling import SamplingParams, greedy_rows, row_generator, sample, target_probs
+from triton_mtp.serving.sampling import GREEDY_TEMPERATURE, SamplingParams, row_generator, sample, target_probs
+from triton_mtp.serving.transfers import PendingHost, to_device
 
 TargetStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 MTPStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
@@ -38,86 +37,6 @@ MTPStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]
 WindowStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, bool], tuple[torch.Tensor, ...]]
 # (token_ids, hidden, positions, slot_ids, num_draft, K) -> draft_ids [B, K]
 ChainStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
-
-
-class _PinnedRing:
-    """Page-locked host buffers that packed copies between host and GPU take in turn, so that a copy does
-    not allocate page-locked memory (about 0.17 ms a call on the H200 host). A buffer is handed out again
-    only once the copy that last used it has run (its event); a copy to the host is read (`PendingTarget`)
-    long before its buffer comes round again."""
-
-    def __init__(self, size: int = 4) -> None:
-        self._buffers: list[torch.Tensor | None] = [None] * size
-        self._events: list[torch.cuda.Event | None] = [None] * size
-        self._next = 0
-        self._lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def take(self, nbytes: int, stream: torch.cuda.Stream) -> Iterator[torch.Tensor]:
-        """A pinned [nbytes] uint8 buffer for a copy that the caller enqueues on `stream` inside the block."""
-        with self._lock:
-            i, self._next = self._next, (self._next + 1) % len(self._buffers)
-            if self._events[i] is not None:
-                self._events[i].synchronize()
-            if self._buffers[i] is None or self._buffers[i].numel() < nbytes:
-                self._buffers[i] = torch.empty(max(nbytes, 4096), dtype=torch.uint8, pin_memory=True)
-            yield self._buffers[i][:nbytes]
-            self._events[i] = stream.record_event()
-
-
-_TO_DEVICE, _TO_HOST = _PinnedRing(), _PinnedRing()
-
-
-class _Packing:
-    """Where tensors' bytes go side by side in one uint8 buffer (each at an 8-byte aligned offset)."""
-
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self.metas = [(t.dtype, t.shape) for t in tensors]
-        self.sizes = [t.numel() * t.element_size() for t in tensors]
-        self.offsets = [0]
-        for size in self.sizes:
-            self.offsets.append(self.offsets[-1] + -(-size // 8) * 8)
-        self.nbytes = self.offsets[-1]
-
-    def pack(self, tensors: list[torch.Tensor], buffer: torch.Tensor) -> torch.Tensor:
-        for t, offset, size in zip(tensors, self.offsets, self.sizes):
-            buffer[offset: offset + size].view(t.dtype).view(t.shape).copy_(t)  # any strides: written through the dtype
-        return buffer
-
-    def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        """The tensors, viewed back in `buffer` (which holds their packed bytes)."""
-        return [buffer[offset: offset + size].view(dtype).view(shape)
-                for (dtype, shape), offset, size in zip(self.metas, self.offsets, self.sizes)]
-
-
-def packed_copy(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """`tensors` (all on one device) on `device` with a single transfer: their bytes side by side in one
-    buffer (`_Packing`), copied once, and viewed back as the original dtypes and shapes. A hop payload is a
-    handful of small tensors, and each separate copy between host and GPU waits for the stream. The result
-    never aliases `tensors`, even on their own device.
-
-    From the host to a GPU the bytes go through pinned memory without the host waiting: the stream runs
-    the copy before any kernel launched after it."""
-    packing = _Packing(tensors)
-    source = tensors[0].device
-    if source.type == "cpu" and device.type == "cuda":
-        with _TO_DEVICE.take(packing.nbytes, torch.cuda.current_stream(device)) as staging:
-            moved = packing.pack(tensors, staging).to(device, non_blocking=True)
-    else:
-        moved = packing.pack(tensors, torch.empty(packing.nbytes, dtype=torch.uint8, device=source)).to(device)
-    return packing.views(moved)
-
-
-def packed_to_host(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, _Packing]:
-    """`tensors` (on a GPU) packed on their device and copied to the host without the host waiting: the
-    pinned buffer (`_PinnedRing`) that the caller reads only once the stream has passed the copy, and copies
-    out before four more such copies (`PendingTarget`); and the packing that views it."""
-    packing = _Packing(tensors)
-    source = tensors[0].device
-    packed = packing.pack(tensors, torch.empty(packing.nbytes, dtype=torch.uint8, device=source))
-    with _TO_HOST.take(packing.nbytes, torch.cuda.current_stream(source)) as pinned:
-        pinned.copy_(packed, non_blocking=True)
-    return pinned, packing
 
 
 def emitted_logprobs(window_logits: torch.Tensor, output_ids: torch.Tensor) -> torch.Tensor:
@@ -132,9 +51,10 @@ def verify_window(target: TargetStep) -> WindowStep:
 
     window(token_ids [B, T], positions [B, T], slot_ids [B], num_draft [B], K, greedy=True) returns
     window_logits [B, K+1, V] (each row's logits from the token before its drafts on), draft_ids [B, K],
-    greedy verification's num_accepted [B] and output_ids [B, K+1] with their logprobs [B, K+1] (None
-    when `greedy` is false: a sampled batch verifies by rejection sampling), and hidden [B, T, H]
-    float32. Columns past a row's own num_draft are padding: a wider K changes none of the rest.
+    greedy verification's num_accepted [B] and output_ids [B, K+1] with their logprobs [B, K+1], the
+    three again as one tensor for the host (`window_results`; all four None when `greedy` is false: a
+    sampled batch verifies by rejection sampling), and hidden [B, T, H] float32. Columns past a row's own
+    num_draft are padding: a wider K changes none of the rest.
     """
 
     def window(token_ids, positions, slot_ids, num_draft, K, greedy=True):
@@ -146,12 +66,32 @@ def verify_window(target: TargetStep) -> WindowStep:
         window_logits = logits.gather(1, index.unsqueeze(-1).expand(B, K + 1, V))  # [B, K+1, V]
         draft_ids = token_ids.gather(1, index[:, 1:])  # [B, K]
         if not greedy:
-            return window_logits, draft_ids, None, None, None, hidden.float()
+            return window_logits, draft_ids, None, None, None, hidden.float(), None
         num_accepted, output_ids = verify_greedy(window_logits.argmax(-1), draft_ids, num_draft)  # [B], [B, K+1]
         logprobs = emitted_logprobs(window_logits, output_ids)  # [B, K+1]
-        return window_logits, draft_ids, num_accepted, output_ids, logprobs, hidden.float()
+        return (window_logits, draft_ids, num_accepted, output_ids, logprobs, hidden.float(),
+                window_results(output_ids, num_accepted, logprobs))
 
     return window
+
+
+def window_results(output_ids: torch.Tensor, num_accepted: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """[B, 2W+1] float64: output_ids [B, W], num_accepted [B] and logprobs [B, W] side by side (ids are exact in
+    float64), so that a greedy verify's results leave the device as one contiguous tensor, with one copy,
+    and come apart on the host without a torch call each (`PendingTarget`)."""
+    return torch.cat([output_ids.double(), num_accepted.double().unsqueeze(1), logprobs.double()], 1)
+
+
+def split_window_results(columns: np.ndarray, K1: int, drafts: int | None = None) -> dict[str, torch.Tensor]:
+    """`window_results` [B, 2W+1] (W >= K1 = K+1; then `drafts` draft-id columns, when given) on the host, back
+    to a TargetResult's output_ids [B, K+1], num_accepted [B] and logprobs [B, K+1] (and draft_ids [B, K'])."""
+    W = (columns.shape[1] - 1 - (drafts or 0)) // 2
+    fields = {"output_ids": torch.from_numpy(columns[:, :K1].astype(np.int64)),
+              "num_accepted": torch.from_numpy(columns[:, W].astype(np.int64)),
+              "logprobs": torch.from_numpy(columns[:, W + 1: W + 1 + K1].astype(np.float32))}
+    if drafts is not None:
+        fields["draft_ids"] = torch.from_numpy(columns[:, 2 * W + 1:].astype(np.int64))
+    return fields
 
 
 def draft_chain(mtp: MTPStep, num_layers: int, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
@@ -255,15 +195,8 @@ class _Payload:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:  # "cuda" names the current device
             device = torch.device("cuda", torch.cuda.current_device())
-        moving: dict[torch.device, list[str]] = {}
-        for name in fields or [f.name for f in dataclasses.fields(self)]:
-            t = getattr(self, name)
-            if t is not None and t.device != device:
-                moving.setdefault(t.device, []).append(name)
-        moved = {}
-        for names in moving.values():
-            moved.update(zip(names, packed_copy([getattr(self, name) for name in names], device)))
-        return dataclasses.replace(self, **moved)
+        names = [name for name in fields or [f.name for f in dataclasses.fields(self)] if getattr(self, name) is not None]
+        return dataclasses.replace(self, **dict(zip(names, to_device([getattr(self, name) for name in names], device))))
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         host = self.to("cpu")
@@ -285,8 +218,8 @@ class RowParams(_Payload):
         return SamplingParams(self.temperature, self.top_k, self.top_p)
 
     def all_greedy(self) -> bool:
-        """Whether every row decodes greedily (read on the host copy: no SamplingParams to build per call)."""
-        return bool(greedy_rows(self.temperature).all())
+        """Whether every row decodes greedily (read on the host copy, through numpy: no torch call per step)."""
+        return bool((self.temperature.numpy() < GREEDY_TEMPERATURE).all())
 
 
 @dataclass
@@ -365,11 +298,13 @@ _WINDOW_INPUTS = ("token_ids", "positions", "slot_ids", "num_draft")  # what a g
 class TargetWorker:
     """Verifies drafts (and prefills prompts) for all rows with one target call.
 
-    `window` is `verify_window(target)` or the decode graphs of it (serving/graphs.py).
+    `window` is `verify_window(target)` or the decode graphs of it (serving/graphs.py), whose `place` puts
+    a call's inputs where its graph reads them.
     """
 
     def __init__(self, window: WindowStep, max_slots: int, device: torch.device | str = "cpu") -> None:
         self._window = window
+        self._place = getattr(window, "place", None) or (lambda *inputs: to_device(list(inputs), self._device))
         self._max_slots = max_slots
         self._device = torch.device(device)
         self._generators = _Generators(max_slots, self._device)
@@ -380,21 +315,27 @@ class TargetWorker:
         return self.launch(batch)[0]
 
     @torch.no_grad()
-    def launch(self, batch: TargetBatch) -> tuple[TargetResult, TargetBatch]:
-        """`verify`, also returning the batch as moved to the device (its tensors for work chained on)."""
+    def launch(self, batch: TargetBatch) -> tuple[TargetResult, TargetBatch, torch.Tensor | None]:
+        """`verify`, also returning the batch with its tensors on the device (for work chained on) and, for a
+        greedy batch, the result again as one tensor (`window_results`), which leaves the device in one copy."""
         # Decisions on the host copies, before the batch moves: no device sync for them.
         _check_slots(batch.slot_ids, self._max_slots)
         all_greedy = batch.all_greedy()
         generators = None if all_greedy else self._generators.rows(batch.slot_ids, batch.seeds, batch.new)
-        K = int(batch.num_draft.max()) if batch.num_draft.numel() else 0
-        draft_lengths = [] if all_greedy else batch.num_draft.unique().tolist()  # k values of the per-k verify
-        batch = batch.to(self._device, _WINDOW_INPUTS if all_greedy else None)  # greedy: the sampling knobs stay
-        window_logits, draft_ids, num_accepted, output_ids, logprobs, hidden = self._window(
-            batch.token_ids, batch.positions, batch.slot_ids, batch.num_draft, K, all_greedy)  # [B, K+1, V], ..., [B, T, H]
+        num_draft = batch.num_draft.numpy()  # [B]
+        K = int(num_draft.max()) if num_draft.size else 0
+        draft_lengths = [] if all_greedy else np.unique(num_draft).tolist()  # k values of the per-k verify
+        inputs = self._place(*(getattr(batch, name) for name in _WINDOW_INPUTS))
+        batch = dataclasses.replace(batch, **dict(zip(_WINDOW_INPUTS, inputs)))
+        if not all_greedy:  # the sampling knobs and q too; greedy, they stay
+            batch = batch.to(self._device)
+        window_logits, draft_ids, num_accepted, output_ids, logprobs, hidden, results = self._window(
+            *inputs, K, all_greedy)  # [B, K+1, V], ..., [B, T, H], [B, 2(K+1)+1]
         if not all_greedy:
             num_accepted, output_ids = self._verify_sampled(batch, window_logits, draft_ids, draft_lengths, generators)
             logprobs = emitted_logprobs(window_logits, output_ids)  # [B, K+1]
-        return TargetResult(output_ids, num_accepted, logprobs, hidden), batch
+            results = None  # a replay's are its greedy verification's
+        return TargetResult(output_ids, num_accepted, logprobs, hidden), batch, results
 
     @staticmethod
     def _verify_sampled(batch: TargetBatch, window_logits: torch.Tensor, draft_ids: torch.Tensor,
@@ -483,7 +424,7 @@ class DraftWorker:
 
 class PendingTarget:
     """A target call's result on its way to the host (`TargetWorker.verify` launches the call; this copies its
-    result out with one transfer, asynchronous from a GPU).
+    result out with one transfer, asynchronous from a GPU: `transfers.PendingHost`).
 
     `result()` waits for this call alone, on a CUDA event rather than the stream, so a call launched after
     it keeps the device busy while the host reads this one. `next_ids` [B, 1] are the tokens the call
@@ -491,31 +432,32 @@ class PendingTarget:
     trip. They may be a decode graph's buffer, valid until the next target call. `hidden=False` leaves the
     hidden states on the device (None in the result) when no row pends MTP pairs. A chained call (`window`:
     the next verify window it drafted, `next_window`) offers that window instead: `next_ids` [B, K'+1] at
-    `next_positions` [B, K'+1], on the device.
+    `next_positions` [B, K'+1], on the device. `results` (a greedy call's `window_results` [B, 2W+1], then the
+    result's draft_ids [B, K'] where it has them) carries the ids, counts and logprobs instead of their own
+    tensors.
     """
 
     def __init__(self, result: TargetResult, hidden: bool = True,
-                 window: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 window: tuple[torch.Tensor, torch.Tensor] | None = None, results: torch.Tensor | None = None) -> None:
         self.next_ids, self.next_positions = window or (result.output_ids[:, :1], None)  # [B, 1] or [B, K'+1] x2
+        self._width = result.output_ids.shape[1]  # K+1
+        self._drafts = None if result.draft_ids is None else result.draft_ids.shape[1]  # K'
         fields = {"output_ids": result.output_ids, "num_accepted": result.num_accepted, "logprobs": result.logprobs,
-                  "hidden": result.hidden if hidden else None, "draft_ids": result.draft_ids}
+                  "draft_ids": result.draft_ids}
+        if results is not None:
+            fields = {"results": results}
+        fields["hidden"] = result.hidden if hidden else None
         self._names = [name for name, t in fields.items() if t is not None]
-        tensors = [fields[name] for name in self._names]
-        source = result.output_ids.device
-        if source.type == "cuda":
-            self._pinned, self._packing = packed_to_host(tensors)
-            self._event = torch.cuda.current_stream(source).record_event()
-        else:
-            self._host, self._event = packed_copy(tensors, source), None
+        self._pending = PendingHost([fields[name] for name in self._names])
 
     def result(self) -> TargetResult:
         """Host tensors of their own (not the graph's or the ring's), once the call and its copy are done; every
         call returns the same ones."""
-        if self._event is not None:
-            self._event.synchronize()
-            self._host = self._packing.views(self._pinned.clone())  # out of the pinned ring, which later copies reuse
-            self._event = None
-        return TargetResult(**dict(zip(self._names, self._host)))
+        host = dict(zip(self._names, self._pending.tensors()))
+        results = host.pop("results", None)
+        if results is not None:  # [B, 2W+1 (+K')]
+            host.update(split_window_results(results.numpy(), self._width, self._drafts))
+        return TargetResult(**host)
 
 
 class InProcessHops:
@@ -529,7 +471,8 @@ class InProcessHops:
         self._target, self._draft = target, draft
 
     def launch_target(self, batch: TargetBatch, hidden: bool = True) -> PendingTarget:
-        return PendingTarget(self._target.verify(batch), hidden)
+        result, _, results = self._target.launch(batch)
+        return PendingTarget(result, hidden, results=results)
 
     def launch_chained(self, batch: TargetBatch) -> PendingTarget:
         """Verify `batch` (greedy rows that all drafted, pairs absorbed), then, on the device, absorb the pairs
@@ -538,12 +481,13 @@ class InProcessHops:
         `draft_ids`."""
         if self._draft is None:
             raise RuntimeError("mtp: the checkpoint has no MTP layers")
-        K = int(batch.num_draft.max())  # on the host copy
-        result, verified = self._target.launch(batch)
+        K = int(batch.num_draft.numpy().max())  # on the host copy
+        result, verified, results = self._target.launch(batch)
         draft_ids = self._draft.draft_after(result, verified, verified.num_draft, K)  # [B, K]
         window = next_window(result.output_ids, result.num_accepted, verified.positions, draft_ids,
                              verified.num_draft)
-        return PendingTarget(dataclasses.replace(result, draft_ids=draft_ids), hidden=False, window=window)
+        return PendingTarget(dataclasses.replace(result, draft_ids=draft_ids), hidden=False, window=window,
+                             results=torch.cat([results, draft_ids.double()], 1))  # [B, 2W+1+K]
 
     def mtp(self, batch: DraftBatch) -> DraftResult:
         if self._draft is None:

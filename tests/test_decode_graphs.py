@@ -17,7 +17,9 @@ from triton_mtp.serving.graphs import (
 )
 from triton_mtp.serving.requests import EngineLimits, GenerationRequest, default_limits
 from triton_mtp.serving.scheduler import Scheduler
-from triton_mtp.serving.workers import DraftWorker, InProcessHops, TargetWorker, draft_chain, verify_window
+from triton_mtp.serving.workers import (
+    DraftWorker, InProcessHops, TargetWorker, draft_chain, split_window_results, verify_window,
+)
 
 MAX_SLOTS, MAX_SEQ_LEN, WIDTH = 6, 48, 4
 
@@ -72,10 +74,14 @@ def test_graphed_target_equals_the_window_step_through_prefill_decode_and_rollba
     for rows in calls:
         inputs = _window(rows, config.vocab_size, gen)
         K = int(inputs[3].max())
-        expected = verify_window(plain)(*inputs, K)
-        got = graphed(*inputs, K)
+        *expected, expected_results = verify_window(plain)(*inputs, K)
+        *got, results = graphed(*inputs, K)
         for e, g in zip(expected, got):
             assert g.shape == e.shape
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+        # the results tensor is as wide as the graph's window (padding past K + 1), the same results in it
+        for e, g in zip(split_window_results(expected_results.numpy(), K + 1).values(),
+                        split_window_results(results.numpy(), K + 1).values()):
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
     live = plain.kv_cache[:, :, :-1]  # the scratch position differs: padding writes it
     torch.testing.assert_close(wrapped.kv_cache[:, :, :-1], live, rtol=0, atol=1e-5)
@@ -149,7 +155,7 @@ def test_graphed_eager_format_runners_equal_the_plain_runners(twins, drafting_ch
     for rows in ([(0, 0, 6, 0), (4, 0, 8, 0)], [(0, 6, 3, 2), (4, 8, 1, 0)], [(0, 9, 2, 1), (1, 0, 1, 0), (4, 9, 4, 3)]):
         inputs = _window(rows, config.vocab_size, gen)
         K = int(inputs[3].max())
-        for e, g in zip(plain_target(*inputs, K), graphed_target(*inputs, K)):
+        for e, g in zip(plain_target(*inputs, K)[:-1], graphed_target(*inputs, K)[:-1]):  # results: the test above
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
         hidden = torch.randn(*inputs[0].shape, config.hidden_size, generator=gen)  # [B, T, H]
         for layer in range(config.num_nextn_predict_layers):

@@ -840,7 +840,8 @@ def test_unfilled_config_parameter_is_named_at_load_time():
 
 
 def test_a_payload_moves_with_one_packed_copy_and_keeps_every_value():
-    from triton_mtp.serving.workers import TargetResult, packed_copy
+    from triton_mtp.serving.transfers import packed_copy
+    from triton_mtp.serving.workers import TargetResult
 
     gen = torch.Generator().manual_seed(0)
     tensors = [torch.randint(-5, 5, (3, 5), generator=gen), torch.rand(3, generator=gen) > 0.5,
