@@ -28,6 +28,10 @@ work; on CPU it measures that work without a GPU. The first step (the prefill, e
     python -m bench.engine_overhead --checkpoint models/tiny-dsv3-mtp --graphs --null-replays --prompts 1 \
         --max-tokens 400 --draft-tokens 0,0,0
 
+--gil-threads N runs N Python threads that hold the GIL 50 us of every 200 while the steps run, standing in
+for the served process's response threads: each torch call the engine makes lets go of the GIL, and taking it
+back waits for them (--switch-interval-us sets sys.setswitchinterval, as spec_decode's switch_interval_us does).
+
 --stream N streams the requests as served ones are: the checkpoint's tokenizer detokenizes every row's
 tokens, and a response per N tokens is built and converted to the arrays the server sends.
 """
@@ -36,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -86,6 +91,31 @@ class TimedStep:
         return out
 
 
+@contextlib.contextmanager
+def gil_contention(threads: int, busy_us: float = 50.0, idle_us: float = 150.0):
+    """`threads` Python threads that each run bytecode (holding the GIL) for busy_us out of every busy_us +
+    idle_us, as the served process's response threads and request parsing do while the engine steps: each
+    torch call the engine makes lets go of the GIL, and getting it back then waits (served_profile, run 26)."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            end = time.perf_counter() + busy_us * 1e-6
+            while time.perf_counter() < end:
+                pass
+            time.sleep(idle_us * 1e-6)
+
+    spinners = [threading.Thread(target=spin, daemon=True) for _ in range(threads)]
+    for thread in spinners:
+        thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for thread in spinners:
+            thread.join()
+
+
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     tokenizer = TokenizerFile(Path(args.checkpoint) / "tokenizer.json")
@@ -102,7 +132,7 @@ def run(args: argparse.Namespace) -> dict:
     dtype, layers = target.lm_head.weight.dtype, config.num_nextn_predict_layers
     if args.compile:  # as the eager format loads its steps
         target, mtp = compile_step(target), compile_step(mtp)
-    window, mtp_step = verify_window(target), mtp
+    window, mtp_step, chained = verify_window(target), mtp, None
     chain = functools.partial(draft_chain, mtp, layers)
     if args.graphs:  # as the served models wrap their steps
         max_draft = max(draft_counts)
@@ -110,14 +140,17 @@ def run(args: argparse.Namespace) -> dict:
         window = graphs.target_graphs(target, len(prompts), max_draft, device, graph)
         mtp_step = graphs.mtp_graphs(mtp, layers, len(prompts), max_draft, config.hidden_size, dtype, device, graph)
         chain = graphs.draft_chain_graphs(mtp, mtp_step, max_draft, graph)
+        if args.overlap:  # (a chained step's drafting is then inside the chain's graph, which is not timed apart)
+            chained = graphs.chain_graphs(window, mtp, mtp_step, graph)
     # greedy: every MTP call is in the chain
     timed_target, timed_mtp = TimedStep(window, device, not args.overlap), TimedStep(chain, device, not args.overlap)
     hops = InProcessHops(TargetWorker(timed_target, len(prompts), device),
-                         DraftWorker(mtp_step, layers, len(prompts), device, dtype, greedy=timed_mtp))
+                         DraftWorker(mtp_step, layers, len(prompts), device, dtype, greedy=timed_mtp), chained)
     results = {"benchmark": "engine_overhead", "device": str(device), "dtype": args.dtype, "prompts": len(prompts),
                "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "graphs": args.graphs,
                "max_slots": max_slots, "compile": args.compile, "null_replays": args.null_replays, "thread": args.thread, "moe": moe,
                "spec_disable_rows": args.spec_disable_rows, "stream": args.stream, "overlap": args.overlap,
+               "gil_threads": args.gil_threads, "switch_interval_s": sys.getswitchinterval(),
                "environment": environment(), "runs": {}}
     handle = _Drop()
     for k in draft_counts:
@@ -147,11 +180,12 @@ def run(args: argparse.Namespace) -> dict:
                 synchronize(device)
             return threading.current_thread().name
 
-        if args.thread:  # as the served scheduler steps: not on the main thread
-            with ThreadPoolExecutor(1, thread_name_prefix="engine-steps") as pool:
-                stepped_on = pool.submit(loop).result()  # its exception, if any, raised here
-        else:
-            stepped_on = loop()
+        with gil_contention(args.gil_threads):
+            if args.thread:  # as the served scheduler steps: not on the main thread
+                with ThreadPoolExecutor(1, thread_name_prefix="engine-steps") as pool:
+                    stepped_on = pool.submit(loop).result()  # its exception, if any, raised here
+            else:
+                stepped_on = loop()
         total = time.perf_counter() - start
         if args.profile and k == draft_counts[-1]:
             table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
@@ -223,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="stream the requests with the checkpoint's tokenizer, a response per N tokens "
                         "(export --stream-interval N), as served requests are; default: not streamed, no tokenizer")
     parser.add_argument("--thread", action="store_true", help="step on a second thread, as the served scheduler does")
+    parser.add_argument("--gil-threads", type=int, default=0, metavar="N",
+                        help="N threads that hold the GIL 50 of every 200 us while the steps run (the served process's "
+                             "response threads)")
+    parser.add_argument("--switch-interval-us", type=float,
+                        help="sys.setswitchinterval, as spec_decode's switch_interval_us sets it (default: Python's)")
     parser.add_argument("--profile", help="write the op table of the last k's run to this file")
     parser.add_argument("--out", help="result JSON file")
     args = parser.parse_args(argv)
@@ -230,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--graphs needs --device cuda (or --null-replays)")
     if args.null_replays and not args.graphs:
         parser.error("--null-replays replaces the decode graphs: add --graphs")
+    if args.switch_interval_us is not None:
+        sys.setswitchinterval(args.switch_interval_us * 1e-6)
     run(args)
     return 0
 

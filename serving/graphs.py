@@ -15,7 +15,9 @@ steps that skip drafting) replays instead of a W-token window, as the standalone
 A graph holds as much of a worker's call as is a function of tensors, not just the model: `target`'s
 holds greedy verification (`workers.verify_window`), and argmax drafting is one graph per draft count
 K (`workers.draft_chain`, its K MTP calls and the ops between them), so a greedy decode step launches
-two graphs and few kernels besides. Sampled steps draw between calls and replay the per-layer `mtp`
+two graphs and few kernels besides. A chained step's work after its verify (absorbing the accepted pairs,
+drafting the next window, packing the results: `workers.chained_draft`) is one graph per bucket and K that
+reads the verify graph's buffers where they are (`GraphedChain`): nothing is copied between the two. Sampled steps draw between calls and replay the per-layer `mtp`
 graphs.
 
 The host's work per replay is kept to a few torch calls, each of which lets go of the GIL (transfers.py):
@@ -33,6 +35,7 @@ one-token family.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -41,7 +44,7 @@ import torch
 
 from triton_mtp.serving.requests import flag_parameter
 from triton_mtp.serving.transfers import TO_DEVICE, to_device
-from triton_mtp.serving.workers import draft_chain, verify_window
+from triton_mtp.serving.workers import chained_draft, draft_chain, verify_window
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 Step = Callable[..., tuple[torch.Tensor, ...]]
@@ -107,7 +110,10 @@ class CapturedStep(_StaticReplay):
 
 
 class EagerReplay(_StaticReplay):
-    """The `CapturedStep` contract without a graph: static inputs, the step run on them (CPU, tests)."""
+    """The `CapturedStep` contract without a graph: static inputs, the step run on them (CPU, tests); `outputs`
+    are the last replay's."""
+
+    outputs: tuple[torch.Tensor, ...] | None = None
 
     def __init__(self, step: Step, example_inputs: Sequence[torch.Tensor], pool=None) -> None:
         self.step = step
@@ -115,7 +121,21 @@ class EagerReplay(_StaticReplay):
 
     def replay(self) -> tuple[torch.Tensor, ...]:
         with torch.no_grad():
-            return self.step(*self.inputs)
+            self.outputs = self.step(*self.inputs)
+        return self.outputs
+
+
+def _compare(name: str, expected: Sequence[torch.Tensor], got: Sequence[torch.Tensor], tolerance: float) -> None:
+    """RuntimeError naming the graph and output where a replay's outputs differ from eager's: floating point by
+    relative error, ids and counts exactly."""
+    for n, (e, g) in enumerate(zip(expected, got)):
+        if e.is_floating_point():
+            error = float((g.float() - e.float()).abs().max() / e.float().abs().max().clamp(min=1e-6))
+            wrong = f"max relative error {error:.2e} > {tolerance:.0e}" if not error <= tolerance else ""
+        else:
+            wrong = "" if torch.equal(g, e) else f"{int((g != e).sum())} ids differ"
+        if wrong:
+            raise RuntimeError(f"CUDA graph of {name} differs from eager in output {n}: {wrong}")
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -194,15 +214,7 @@ class _GraphedStep:
                 self._checked(key, inputs)
                 with torch.no_grad():
                     expected = self._bound(key)(*inputs)
-                for n, (e, g) in enumerate(zip(expected, replay(*inputs))):
-                    if e.is_floating_point():
-                        error = float((g.float() - e.float()).abs().max() / e.float().abs().max().clamp(min=1e-6))
-                        wrong = f"max relative error {error:.2e} > {tolerance:.0e}" if not error <= tolerance else ""
-                    else:
-                        wrong = "" if torch.equal(g, e) else f"{int((g != e).sum())} ids differ"
-                    if wrong:
-                        raise RuntimeError(f"CUDA graph of {self.name(key)} (batch {b}) differs from eager in output "
-                                           f"{n}: {wrong}")
+                _compare(f"{self.name(key)} (batch {b})", expected, replay(*inputs), tolerance)
 
     def name(self, key: int | None = None) -> str:
         raise NotImplementedError
@@ -223,9 +235,13 @@ class _GraphedStep:
         B, T = token_ids.shape
         return 0 < B <= self.buckets[-1] and T <= self.width
 
+    def bucket(self, B: int) -> int:
+        """The batch size a call of B rows is padded to: the smallest bucket >= B."""
+        return next(size for size in self.buckets if size >= B)
+
     def _graph(self, key: int | None, B: int) -> _StaticReplay:
-        """The graph of family `key` that a call of B rows replays: the smallest bucket >= B."""
-        return self.graphs[key, next(size for size in self.buckets if size >= B)]
+        """The graph of family `key` that a call of B rows replays."""
+        return self.graphs[key, self.bucket(B)]
 
     def _replay(self, key: int | None, given: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Pad to the smallest bucket >= B and the family's width and replay: the graph's own output
@@ -427,6 +443,64 @@ class GraphedDraftChain(_GraphedStep):
         return draft_ids[: token_ids.shape[0]]
 
 
+class GraphedChain:
+    """What a chained call does after its greedy verify (`workers.chained_draft`: absorb the accepted pairs,
+    draft the next window by argmax, the results for the host), one graph per bucket and draft count
+    K < `target`'s width, reading the verify graph's inputs and outputs where they are: a chained step
+    replays two graphs and copies nothing between them. For a call the verify graphed (`covers`): the
+    verify of its bucket just replayed."""
+
+    def __init__(self, target: GraphedTarget, after: Callable[..., tuple[torch.Tensor, ...]],
+                 graph: Callable[..., Step] = CapturedStep, pool=None) -> None:
+        self.target, self.after, self.buckets = target, after, target.buckets
+        self.graphs: dict[tuple[int, int], _StaticReplay] = {}
+        with target.on_device():
+            for b in reversed(self.buckets):  # as the verify graphs: largest first
+                verify = self._verify(b)
+                if getattr(verify, "outputs", None) is None:  # a stand-in that has not replayed yet
+                    verify.replay()
+                for K in range(target.width - 1, 0, -1):
+                    self.graphs[K, b] = graph(functools.partial(self._after, verify, K), [], pool=pool)
+
+    def _verify(self, b: int) -> _StaticReplay:
+        return self.target.graphs[self.target.width, b]
+
+    def _after(self, verify: _StaticReplay, K: int) -> tuple[torch.Tensor, ...]:
+        _, positions, slot_ids, num_draft = verify.inputs
+        _, _, num_accepted, output_ids, _, hidden, results = verify.outputs
+        return self.after(output_ids, num_accepted, hidden, positions, slot_ids, num_draft, results, K)
+
+    def covers(self, token_ids: torch.Tensor, K: int) -> bool:
+        """Whether a chained call of `token_ids` [B, T] (K drafts) replayed a window graph of `target`."""
+        return self.target._fits(token_ids) and token_ids.shape[1] > 1 and 1 <= K < self.target.width
+
+    def __call__(self, B: int, K: int) -> tuple[torch.Tensor, ...]:
+        """After the verify of B rows: draft_ids [B, K], the next window's ids and positions [B, K+1] and the
+        results [B, 2W+1+K], the graph's own buffers (read them before its next replay)."""
+        with self.target.on_device():
+            outputs = self.graphs[K, self.target.bucket(B)].replay()
+        return tuple(_leading(x, B) for x in outputs)
+
+    def check_against_eager(self, tolerance: float = 5e-2) -> None:
+        """Replay every graph after random hidden states in its verify graph's outputs, every row drafting K (so a
+        graph that captured nothing differs), and compare with eager on the same buffers. Their positions are
+        padding (-1): only the scratch position is written."""
+        generator = torch.Generator(device=self.target.device).manual_seed(0)
+        with self.target.on_device(), torch.no_grad():
+            for (K, b), replay in self.graphs.items():
+                verify = self._verify(b)
+                verify.inputs[1].fill_(-1)  # positions [b, W]
+                verify.inputs[3].fill_(K)  # num_draft [b]
+                verify.outputs[5].normal_(generator=generator)  # hidden [b, W, H]
+                _compare(f"{self.name()} (K={K}, batch {b})", self._after(verify, K), replay.replay(), tolerance)
+
+    def name(self) -> str:
+        return "the chained drafting"
+
+    def widths(self) -> list[int]:
+        return [self.target.width]
+
+
 def target_graphs(runner: Step, max_batch: int, max_draft: int, device: torch.device,
                   graph: Callable[..., Step] = CapturedStep) -> GraphedTarget:
     """The served target's decode graphs: `workers.verify_window` over `runner`, up to the verify window
@@ -449,6 +523,14 @@ def draft_chain_graphs(runner: Step, mtp: GraphedMTP, max_draft: int,
     return GraphedDraftChain(lambda *inputs: draft_chain(runner, layers, *inputs),
                              lambda *inputs: draft_chain(mtp, layers, *inputs), max_draft, mtp.buckets[-1],
                              target_width(max_draft), size, dtype, mtp.device, graph, mtp.pool)
+
+
+def chain_graphs(target: GraphedTarget, runner: Step, mtp: GraphedMTP,
+                 graph: Callable[..., Step] = CapturedStep) -> GraphedChain:
+    """A chained call's work after its verify graphed over `target`'s window graphs: `workers.chained_draft`
+    with the argmax chain over `runner` (the MTP step that `mtp`'s per-layer graphs wrap), in `mtp`'s pool."""
+    after = chained_draft(functools.partial(draft_chain, runner, mtp.num_layers), mtp.hidden[1])
+    return GraphedChain(target, after, graph, mtp.pool)
 
 
 def with_decode_graphs(build: Callable[[], _GraphedStep], step: Step, log: Callable[[str], None]) -> Step:

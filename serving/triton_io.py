@@ -245,10 +245,14 @@ def engine_hops(args: dict) -> BlsHops | InProcessHops:
     if parallel.tensor_parallel_size(params, device) > 1:
         raise ValueError("config.pbtxt: parameter 'tensor_parallel_size' must be 1 with hops local")
     _, target = target_worker(artifact_dir(args) / "target", params, device, max_slots)
-    draft = None
-    if int_parameter(params, "num_mtp_layers", 0):
-        _, draft = draft_worker(artifact_dir(args) / "mtp", params, device, dtype, max_slots)
-    return InProcessHops(target, draft)
+    if not int_parameter(params, "num_mtp_layers", 0):
+        return InProcessHops(target, None)
+    mtp_runner, draft = draft_worker(artifact_dir(args) / "mtp", params, device, dtype, max_slots)
+    chained = None
+    if isinstance(target.window, graphs.GraphedTarget) and isinstance(draft.mtp, graphs.GraphedMTP):
+        chained = graphs.with_decode_graphs(lambda: graphs.chain_graphs(target.window, mtp_runner, draft.mtp),
+                                            None, log)  # None: chained steps draft through the chain's graphs
+    return InProcessHops(target, draft, chained)
 
 
 def close_model_step(runner: Callable) -> None:

@@ -148,9 +148,10 @@ def draft_chain(mtp: MTPStep, num_layers: int, token_ids: torch.Tensor, hidden: 
 
 
 def _run_positions(start: torch.Tensor, count: torch.Tensor, width: int) -> torch.Tensor:
-    """[B, width]: positions start [B, 1] + 0, 1, ... for count [B] + 1 tokens per row, then -1."""
+    """[B, width]: positions start [B, 1] + 0, 1, ... for count [B] + 1 tokens per row, then -1; all -1 for a
+    row of padding (start -1: a graph's bucket pads its rows so)."""
     offsets = torch.arange(width, device=start.device)  # [width]
-    return torch.where(offsets <= count.view(-1, 1), start + offsets, -1)
+    return torch.where((offsets <= count.view(-1, 1)) & (start >= 0), start + offsets, -1)
 
 
 def accepted_pairs(output_ids: torch.Tensor, num_accepted: torch.Tensor, hidden: torch.Tensor,
@@ -171,6 +172,26 @@ def next_window(output_ids: torch.Tensor, num_accepted: torch.Tensor, positions:
     last = output_ids.gather(1, num_accepted.view(B, 1))  # [B, 1]
     start = positions[:, :1] + num_accepted.view(B, 1) + 1  # [B, 1]
     return torch.cat([last, draft_ids], 1), _run_positions(start, num_draft, K + 1)  # [B, K'+1] x2
+
+
+ChainedDraft = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def chained_draft(greedy: ChainStep, dtype: torch.dtype) -> Callable[..., ChainedDraft]:
+    """What a chained call does after the greedy verify, as one function of tensors (the decode graphs
+    capture it whole, `graphs.GraphedChain`): after(output_ids [B, W], num_accepted [B], hidden [B, W, H],
+    positions [B, W], slot_ids [B], num_draft [B], results [B, 2W+1], K) absorbs the pairs the verify
+    accepted (`accepted_pairs`) and drafts num_draft (at most K) tokens per row by argmax with `greedy`
+    (`draft_chain`'s arguments), and returns draft_ids [B, K], the next window (`next_window`: its token ids
+    and positions [B, K+1]) and the verify's `window_results` with the drafts after them [B, 2W+1+K]."""
+
+    def after(output_ids, num_accepted, hidden, positions, slot_ids, num_draft, results, K):
+        pair_ids, pair_hidden, pair_positions = accepted_pairs(output_ids, num_accepted, hidden, positions)
+        draft_ids = greedy(pair_ids, pair_hidden.to(dtype), pair_positions, slot_ids, num_draft, K)  # [B, K]
+        next_ids, next_positions = next_window(output_ids, num_accepted, positions, draft_ids, num_draft)
+        return draft_ids, next_ids, next_positions, torch.cat([results, draft_ids.double()], 1)
+
+    return after
 
 
 class _Payload:
@@ -303,7 +324,7 @@ class TargetWorker:
     """
 
     def __init__(self, window: WindowStep, max_slots: int, device: torch.device | str = "cpu") -> None:
-        self._window = window
+        self.window = window
         self._place = getattr(window, "place", None) or (lambda *inputs: to_device(list(inputs), self._device))
         self._max_slots = max_slots
         self._device = torch.device(device)
@@ -329,7 +350,7 @@ class TargetWorker:
         batch = dataclasses.replace(batch, **dict(zip(_WINDOW_INPUTS, inputs)))
         if not all_greedy:  # the sampling knobs and q too; greedy, they stay
             batch = batch.to(self._device)
-        window_logits, draft_ids, num_accepted, output_ids, logprobs, hidden, results = self._window(
+        window_logits, draft_ids, num_accepted, output_ids, logprobs, hidden, results = self.window(
             *inputs, K, all_greedy)  # [B, K+1, V], ..., [B, T, H], [B, 2(K+1)+1]
         if not all_greedy:
             num_accepted, output_ids = self._verify_sampled(batch, window_logits, draft_ids, draft_lengths, generators)
@@ -370,7 +391,7 @@ class DraftWorker:
                  dtype: torch.dtype = torch.float32, greedy: ChainStep | None = None) -> None:
         if num_layers < 1:
             raise ValueError(f"num_mtp_layers: must be >= 1 to draft, got {num_layers}")
-        self._mtp = mtp
+        self.mtp = mtp
         self._num_layers = num_layers
         self._greedy = greedy or (lambda *inputs: draft_chain(mtp, num_layers, *inputs))
         self._max_slots = max_slots
@@ -409,17 +430,16 @@ class DraftWorker:
             token[active_rows] = sample(dense[active_rows].unsqueeze(1), [generators[b] for b in active])[:, 0]
             return token
 
-        draft_ids = draft_chain(self._mtp, self._num_layers, *inputs, K, pick)  # [B, K]
+        draft_ids = draft_chain(self.mtp, self._num_layers, *inputs, K, pick)  # [B, K]
         return DraftResult(draft_ids, torch.stack(top_ids, 1), torch.stack(top_probs, 1).float())  # [B, K, N] x2
 
     @torch.no_grad()
-    def draft_after(self, result: TargetResult, verified: TargetBatch, num_draft: torch.Tensor, K: int) -> torch.Tensor:
-        """draft_ids [B, K] by argmax, from a greedy verify's result on the device without the host: absorb the
-        pairs it accepted (`accepted_pairs`), then draft num_draft [B] (on the device, at most K) tokens per row.
-        `verified` is the verified batch on the device."""
-        token_ids, hidden, positions = accepted_pairs(result.output_ids, result.num_accepted, result.hidden,
-                                                      verified.positions)  # [B, W], [B, W, H], [B, W]
-        return self._greedy(token_ids, hidden.to(self._dtype), positions, verified.slot_ids, num_draft, K)
+    def draft_after(self, result: TargetResult, verified: TargetBatch, results: torch.Tensor, K: int) -> ChainedDraft:
+        """`chained_draft` over the greedy chain, from a greedy verify's result on the device without the host:
+        `verified` is the verified batch on the device, `results` the result's `window_results`."""
+        return chained_draft(self._greedy, self._dtype)(result.output_ids, result.num_accepted, result.hidden,
+                                                        verified.positions, verified.slot_ids, verified.num_draft,
+                                                        results, K)
 
 
 class PendingTarget:
@@ -463,12 +483,15 @@ class PendingTarget:
 class InProcessHops:
     """The scheduler's hops served by workers in this process (no server, same code path). Target calls
     return before the device finishes them (`overlaps`), so the engine can launch the next one first, and
-    a greedy verify can draft the next window on the device before the host reads it (`chains`)."""
+    a greedy verify can draft the next window on the device before the host reads it (`chains`).
+
+    `chained` (`graphs.GraphedChain`, over the target worker's decode graphs): what a chained call does after
+    the verify, replayed as one graph that reads the verify graph's buffers where they are."""
 
     overlaps = chains = True
 
-    def __init__(self, target: TargetWorker, draft: DraftWorker | None) -> None:
-        self._target, self._draft = target, draft
+    def __init__(self, target: TargetWorker, draft: DraftWorker | None, chained=None) -> None:
+        self._target, self._draft, self._chained = target, draft, chained
 
     def launch_target(self, batch: TargetBatch, hidden: bool = True) -> PendingTarget:
         result, _, results = self._target.launch(batch)
@@ -483,11 +506,12 @@ class InProcessHops:
             raise RuntimeError("mtp: the checkpoint has no MTP layers")
         K = int(batch.num_draft.numpy().max())  # on the host copy
         result, verified, results = self._target.launch(batch)
-        draft_ids = self._draft.draft_after(result, verified, verified.num_draft, K)  # [B, K]
-        window = next_window(result.output_ids, result.num_accepted, verified.positions, draft_ids,
-                             verified.num_draft)
-        return PendingTarget(dataclasses.replace(result, draft_ids=draft_ids), hidden=False, window=window,
-                             results=torch.cat([results, draft_ids.double()], 1))  # [B, 2W+1+K]
+        if self._chained is not None and self._chained.covers(batch.token_ids, K):
+            draft_ids, *window, results = self._chained(batch.token_ids.shape[0], K)  # [B, K], [B, K+1] x2, ...
+        else:
+            draft_ids, *window, results = self._draft.draft_after(result, verified, results, K)
+        return PendingTarget(dataclasses.replace(result, draft_ids=draft_ids), hidden=False, window=tuple(window),
+                             results=results)  # results [B, 2W+1+K]
 
     def mtp(self, batch: DraftBatch) -> DraftResult:
         if self._draft is None:

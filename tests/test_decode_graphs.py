@@ -12,8 +12,8 @@ import torch
 from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.export.graphs import export_graphs, load_step
 from triton_mtp.serving.graphs import (
-    EagerReplay, GraphedDraftChain, GraphedMTP, GraphedTarget, batch_buckets, compile_graphs, draft_chain_graphs,
-    graphs_wanted, mtp_graphs, target_graphs, with_decode_graphs,
+    EagerReplay, GraphedChain, GraphedDraftChain, GraphedMTP, GraphedTarget, batch_buckets, chain_graphs,
+    compile_graphs, draft_chain_graphs, graphs_wanted, mtp_graphs, target_graphs, with_decode_graphs,
 )
 from triton_mtp.serving.requests import EngineLimits, GenerationRequest, default_limits
 from triton_mtp.serving.scheduler import Scheduler
@@ -169,13 +169,24 @@ class BufferedReplay(EagerReplay):
     """`EagerReplay` whose outputs, like a CUDA graph's, live in buffers that every replay overwrites: a
     caller that reads a result after the next replay reads the wrong values."""
 
+    _buffers = None
+
     def replay(self):
         outputs = super().replay()
-        if not hasattr(self, "outputs"):
-            self.outputs = tuple(torch.empty_like(x) for x in outputs)
-        for buffer, x in zip(self.outputs, outputs):
+        if self._buffers is None:
+            self._buffers = tuple(torch.empty_like(x) for x in outputs)
+        for buffer, x in zip(self._buffers, outputs):
             buffer.copy_(x)
+        self.outputs = self._buffers
         return self.outputs
+
+
+class _CountedBufferedReplay(BufferedReplay):
+    replays = 0
+
+    def replay(self):
+        type(self).replays += 1
+        return super().replay()
 
 
 class _RecordedDrafts:
@@ -200,16 +211,19 @@ def test_the_engine_over_graphed_workers_emits_what_it_emits_eager(drafting_chec
     hidden states that wait through steps without drafts outlive the replays that made them."""
     slots, max_draft = 4, 3
     outputs, drafts = [], []
-    for graphed in (False, True):
+    _CountedBufferedReplay.replays = 0
+    for mode in ("eager", "graphed", "chain graphed"):
         config, target, mtp = load_checkpoint(drafting_checkpoint, max_slots=slots, max_seq_len=MAX_SEQ_LEN,
                                               progress=False)
         layers, H, cpu = config.num_nextn_predict_layers, config.hidden_size, torch.device("cpu")
-        window, mtp_step, greedy = verify_window(target), mtp, None
-        if graphed:
+        window, mtp_step, greedy, chained = verify_window(target), mtp, None, None
+        if mode != "eager":
             window = target_graphs(target, slots, max_draft, cpu, graph=BufferedReplay)  # the served layout
             mtp_step = mtp_graphs(mtp, layers, slots, max_draft, H, torch.float32, cpu, graph=BufferedReplay)
             greedy = draft_chain_graphs(mtp, mtp_step, max_draft, graph=BufferedReplay)
-        hops = InProcessHops(TargetWorker(window, slots), DraftWorker(mtp_step, layers, slots, greedy=greedy))
+        if mode == "chain graphed":
+            chained = chain_graphs(window, mtp, mtp_step, graph=_CountedBufferedReplay)
+        hops = InProcessHops(TargetWorker(window, slots), DraftWorker(mtp_step, layers, slots, greedy=greedy), chained)
         limits = EngineLimits(max_slots=slots, max_seq_len=MAX_SEQ_LEN, vocab_size=config.vocab_size,
                               max_draft_tokens=max_draft, default_num_draft_tokens=0, eos_token_id=-1,
                               max_queue_size=8, **default_limits(MAX_SEQ_LEN))
@@ -224,13 +238,17 @@ def test_the_engine_over_graphed_workers_emits_what_it_emits_eager(drafting_chec
         engine.run_until_idle()
         outputs.append([(h.response.output_ids, h.response.logprobs) for h in handles])
         drafts.append(hops.mtp.calls)
-    assert len(drafts[1]) == len(drafts[0])
-    for (graphed_ids, graphed_hidden, graphed_drafts), (eager_ids, eager_hidden, eager_drafts) in zip(*drafts):
-        assert (graphed_ids, graphed_drafts) == (eager_ids, eager_drafts)
-        torch.testing.assert_close(graphed_hidden, eager_hidden)
-    for (eager_ids, eager_logprobs), (graphed_ids, graphed_logprobs) in zip(*outputs):
-        assert graphed_ids == eager_ids
-        assert graphed_logprobs == pytest.approx(eager_logprobs, abs=1e-5)
+    chains = num_draft_tokens and temperature == 0  # (with spec_disable_rows 2: once two rows are left)
+    assert (_CountedBufferedReplay.replays > 0) == bool(chains)  # chained steps replayed the chain's graphs
+    for graphed in (1, 2):
+        assert len(drafts[graphed]) == len(drafts[0])
+        for (graphed_ids, graphed_hidden, graphed_drafts), (eager_ids, eager_hidden, eager_drafts) in zip(
+                drafts[graphed], drafts[0]):
+            assert (graphed_ids, graphed_drafts) == (eager_ids, eager_drafts)
+            torch.testing.assert_close(graphed_hidden, eager_hidden)
+        for (eager_ids, eager_logprobs), (graphed_ids, graphed_logprobs) in zip(outputs[0], outputs[graphed]):
+            assert graphed_ids == eager_ids
+            assert graphed_logprobs == pytest.approx(eager_logprobs, abs=1e-5)
 
 
 class _Collect:
@@ -283,6 +301,15 @@ def test_a_graph_that_captured_nothing_is_caught(twins):
     step = with_decode_graphs(lambda: GraphedDraftChain(chain, chain, 2, 2, WIDTH, config.hidden_size, torch.float32,
                                                         torch.device("cpu"), graph=Stale), chain, lines.append)
     assert step is chain and "drafting chain" in lines[1] and "ids differ" in lines[1]
+
+    cpu = torch.device("cpu")
+    layers, H = config.num_nextn_predict_layers, config.hidden_size
+    mtp_step = GraphedMTP(mtp, layers, 2, WIDTH, H, torch.float32, cpu, graph=EagerReplay)
+    graphed = GraphedTarget(window, 2, WIDTH, cpu, graph=EagerReplay)
+    step = with_decode_graphs(lambda: chain_graphs(graphed, mtp, mtp_step, graph=Stale), None, lines.append)
+    assert step is None and "chained drafting" in lines[2] and "differs from eager" in lines[2]
+    step = with_decode_graphs(lambda: chain_graphs(graphed, mtp, mtp_step, graph=EagerReplay), None, lines.append)
+    assert isinstance(step, GraphedChain) and sorted(step.graphs) == [(K, b) for K in (1, 2, 3) for b in (1, 2)]
 
 
 def test_a_graph_that_disagrees_with_eager_falls_back_to_the_step(twins):
