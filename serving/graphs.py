@@ -30,7 +30,8 @@ Graphs of one worker share one memory pool for their intermediates (captured lar
 never run at once, and callers read the outputs before the next replay. Each bucket keeps its own
 static inputs and outputs, about 4 · b · W · (V + H) bytes per bucket b: for a 129k vocabulary, 64
 slots and W = 5, about 350 MB for the target's buckets together, and a fifth of that again for its
-one-token family.
+one-token family. The chained graphs have a pool of their own (`GraphedChain`): one output of theirs is
+read after other graphs of the MTP's pool may have run.
 """
 from __future__ import annotations
 
@@ -448,13 +449,18 @@ class GraphedChain:
     draft the next window by argmax, the results for the host), one graph per bucket and draft count
     K < `target`'s width, reading the verify graph's inputs and outputs where they are: a chained step
     replays two graphs and copies nothing between them. For a call the verify graphed (`covers`): the
-    verify of its bucket just replayed."""
+    verify of its bucket just replayed.
+
+    Its graphs share a memory pool of their own: the next window they output is read by the next chained
+    call, and a replay of the MTP's graphs in between (a new row's first drafts) would overwrite it in
+    theirs, where this capture may have put it in blocks their captures had freed."""
 
     def __init__(self, target: GraphedTarget, after: Callable[..., tuple[torch.Tensor, ...]],
-                 graph: Callable[..., Step] = CapturedStep, pool=None) -> None:
+                 graph: Callable[..., Step] = CapturedStep) -> None:
         self.target, self.after, self.buckets = target, after, target.buckets
         self.graphs: dict[tuple[int, int], _StaticReplay] = {}
         with target.on_device():
+            pool = torch.cuda.graph_pool_handle() if target.device.type == "cuda" else None
             for b in reversed(self.buckets):  # as the verify graphs: largest first
                 verify = self._verify(b)
                 if getattr(verify, "outputs", None) is None:  # a stand-in that has not replayed yet
@@ -528,9 +534,9 @@ def draft_chain_graphs(runner: Step, mtp: GraphedMTP, max_draft: int,
 def chain_graphs(target: GraphedTarget, runner: Step, mtp: GraphedMTP,
                  graph: Callable[..., Step] = CapturedStep) -> GraphedChain:
     """A chained call's work after its verify graphed over `target`'s window graphs: `workers.chained_draft`
-    with the argmax chain over `runner` (the MTP step that `mtp`'s per-layer graphs wrap), in `mtp`'s pool."""
+    with the argmax chain over `runner` (the MTP step that `mtp`'s per-layer graphs wrap)."""
     after = chained_draft(functools.partial(draft_chain, runner, mtp.num_layers), mtp.hidden[1])
-    return GraphedChain(target, after, graph, mtp.pool)
+    return GraphedChain(target, after, graph)
 
 
 def with_decode_graphs(build: Callable[[], _GraphedStep], step: Step, log: Callable[[str], None]) -> Step:
