@@ -35,6 +35,8 @@
 #   triton_local_ab  with BENCH_AB="key=value[,key=value] ..." (BENCH_ONLY naming it, where set): for each change, the local-hops export served again with
 #               those spec_decode parameters changed in its config.pbtxt (an A/B against triton_local without a new
 #               export), k = BENCH_AB_K (default 3, or the export's largest k) at BENCH_AB_STREAMS (default 1,32): $OUT/ab/<key-value_key-value>.json
+#   chain_check (on a GPU, only when BENCH_ONLY names it) bench/chain_check.py: chained steps replayed from the
+#               chain graph emit what eager workers and the graphs without it emit: $OUT/chain_check.json
 #   graph_time  (on a GPU, only when BENCH_ONLY names it) bench/graph_time.py: GPU time of one target graph replay
 #               per batch (BENCH_GRAPH_BATCH, default 1,32) for the served compiled build: $OUT/graph_time.json
 #   standalone  bench/standalone.py: the same checkpoint in one process, steps as captured CUDA graphs,
@@ -286,6 +288,10 @@ PY
         stub_path_off
     done
     cp "$work/config.pbtxt" "$local_repository/spec_decode/config.pbtxt"
+fi
+if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" chain_check "* ]]; then  # on request
+    stage chain_check "${BENCH_CHAIN_CHECK_S:-90}" python -m bench.chain_check --checkpoint "$checkpoint" \
+        --out "$OUT/chain_check.json"
 fi
 if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" graph_time "* ]]; then  # on request: a compile
     stage graph_time "${BENCH_GRAPH_TIME_S:-150}" python -m bench.graph_time --checkpoint "$checkpoint" \

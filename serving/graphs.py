@@ -463,8 +463,8 @@ class GraphedChain:
             pool = torch.cuda.graph_pool_handle() if target.device.type == "cuda" else None
             for b in reversed(self.buckets):  # as the verify graphs: largest first
                 verify = self._verify(b)
-                if getattr(verify, "outputs", None) is None:  # a stand-in that has not replayed yet
-                    verify.replay()
+                verify.replay()  # outputs that a replay wrote, for the capture's warm-up to read (its inputs are
+                # whatever the last call left, at load the check's padding: only scratch is written)
                 for K in range(target.width - 1, 0, -1):
                     self.graphs[K, b] = graph(functools.partial(self._after, verify, K), [], pool=pool)
 

@@ -148,8 +148,8 @@ def draft_chain(mtp: MTPStep, num_layers: int, token_ids: torch.Tensor, hidden: 
 
 
 def _run_positions(start: torch.Tensor, count: torch.Tensor, width: int) -> torch.Tensor:
-    """[B, width]: positions start [B, 1] + 0, 1, ... for count [B] + 1 tokens per row, then -1; all -1 for a
-    row of padding (start -1: a graph's bucket pads its rows so)."""
+    """[B, width]: positions start [B, 1] + 0, 1, ... for count [B] + 1 tokens per row, then -1; all -1 where
+    start is negative (a row of padding in a graph's bucket, whose positions are -1)."""
     offsets = torch.arange(width, device=start.device)  # [width]
     return torch.where((offsets <= count.view(-1, 1)) & (start >= 0), start + offsets, -1)
 

@@ -249,3 +249,16 @@ def test_null_replays_run_each_step_once_and_time_the_decode_steps_alone(tmp_pat
     assert runs["0"]["streamed_responses"] == 2 * 2
     refused = run_module("bench.engine_overhead", "--checkpoint", str(REPO / "models" / "tiny-dsv3-mtp"), "--graphs")
     assert refused.returncode != 0 and "--graphs needs --device cuda" in refused.stderr
+
+
+def test_chain_check_finds_the_chain_graph_agreeing(drafting_checkpoint, tmp_path):
+    """On CPU with stand-in graphs: every case agrees across the three sets of workers, and the chained calls
+    replayed the chain graph (a GPU run checks the capture the same way)."""
+    out = tmp_path / "chain_check.json"
+    done = run_module("bench.chain_check", "--checkpoint", str(drafting_checkpoint), "--device", "cpu",
+                      "--out", str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    cases = json.loads(out.read_text())["cases"]
+    assert len(cases) == 4 and all(case["agree"] for case in cases)
+    assert all(case["chain_replays"] > 0 for case in cases)
+    assert any(accepted for case in cases for accepted, _ in case["accepted_of_drafted"])  # drafts were kept
