@@ -21,9 +21,8 @@ step = Scheduler.step
 def profile(frame, event, arg) -> None:
     if event != "c_call":
         return
-    owner = getattr(arg, "__self__", None)
-    kind = type(owner).__name__ if owner is not None else ""
-    if arg.__name__ in HOLDS_GIL or kind not in ("_VariableFunctionsClass", "Tensor", "Parameter"):
+    kind = getattr(arg, "__qualname__", "").split(".")[0]  # torch.cat: _VariableFunctionsClass.cat
+    if arg.__name__ in HOLDS_GIL or kind not in ("_VariableFunctionsClass", "Tensor", "TensorBase"):
         return
     counted["calls"][f"{kind}.{arg.__name__} <- {frame.f_code.co_qualname}"] += 1
 

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Host work per step (null replays) at three commits, alternating, two passes each, on the 2-core CPU host.
-# base0: 03de31a (before serving/transfers.py); base1: 503da41 (transfers.py); new: the tree with GraphedChain.
+# 03de31a: before serving/transfers.py; 503da41: with it (0e2f1b5); new: the working tree (GraphedChain).
 # Each tree is importable as triton_mtp from a folder of links (PYTHONPATH), as the editable install maps it.
 set -e
 here=$(cd "$(dirname "$0")" && pwd)
