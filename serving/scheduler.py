@@ -557,7 +557,7 @@ class Scheduler:
         if len(rows) < len(call.rows):
             (kept,) = packed_copy([torch.tensor(index)], token_ids.device)  # [B'] without waiting for the device
             token_ids, positions = token_ids.index_select(0, kept), positions.index_select(0, kept)  # [B', K'+1] x2
-        num_draft = torch.tensor([s.request.num_draft_tokens for s in rows], dtype=torch.int64)  # [B']
+        num_draft = torch.from_numpy(np.array([s.request.num_draft_tokens for s in rows], dtype=np.int64))  # [B']
         params = _next_params(call, rows)
         batch = TargetBatch(**params, token_ids=token_ids, positions=positions, num_draft=num_draft)
         return self._launch_chained(rows, batch, params, [-1] * len(rows), ahead=True)  # where each window starts: on the device
