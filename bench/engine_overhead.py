@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> dict:
         window = graphs.target_graphs(target, len(prompts), max_draft, device, graph)
         mtp_step = graphs.mtp_graphs(mtp, layers, len(prompts), max_draft, config.hidden_size, dtype, device, graph)
         chain = graphs.draft_chain_graphs(mtp, mtp_step, max_draft, graph)
-        if args.overlap:  # (a chained step's drafting is then inside the chain's graph, which is not timed apart)
+        if args.overlap and not args.no_chain_graph:  # (a chained step's drafting is then in it, not timed apart)
             chained = graphs.chain_graphs(window, mtp, mtp_step, graph)
     # greedy: every MTP call is in the chain
     timed_target, timed_mtp = TimedStep(window, device, not args.overlap), TimedStep(chain, device, not args.overlap)
@@ -151,6 +151,7 @@ def run(args: argparse.Namespace) -> dict:
                "max_slots": max_slots, "compile": args.compile, "null_replays": args.null_replays, "thread": args.thread, "moe": moe,
                "spec_disable_rows": args.spec_disable_rows, "stream": args.stream, "overlap": args.overlap,
                "gil_threads": args.gil_threads, "switch_interval_s": sys.getswitchinterval(),
+               "chain_graph": chained is not None,
                "environment": environment(), "runs": {}}
     handle = _Drop()
     for k in draft_counts:
@@ -257,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="stream the requests with the checkpoint's tokenizer, a response per N tokens "
                         "(export --stream-interval N), as served requests are; default: not streamed, no tokenizer")
     parser.add_argument("--thread", action="store_true", help="step on a second thread, as the served scheduler does")
+    parser.add_argument("--no-chain-graph", action="store_true",
+                        help="with --graphs --overlap: chained steps draft through the drafting chain's graphs and the "
+                             "ops around them, not the chain graph (graphs.GraphedChain)")
     parser.add_argument("--gil-threads", type=int, default=0, metavar="N",
                         help="N threads that hold the GIL 50 of every 200 us while the steps run (the served process's "
                              "response threads)")
