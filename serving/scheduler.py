@@ -531,7 +531,8 @@ class Scheduler:
             return None
         token_ids = call.pending.next_ids  # [B, 1] on the device
         if len(rows) < len(call.rows):
-            (kept,) = packed_copy([torch.tensor(index)], token_ids.device)  # [B'] without waiting for the device
+            kept = torch.from_numpy(np.array(index, dtype=np.int64))  # [B'] on the host ...
+            (kept,) = packed_copy([kept], token_ids.device)  # ... then the device's, without waiting for it
             token_ids = token_ids.index_select(0, kept)  # [B', 1]
         starts = [len(s.tokens) for s in rows]  # where the tokens `call` emits go
         params = _next_params(call, rows)
@@ -555,7 +556,8 @@ class Scheduler:
             return None
         token_ids, positions = call.pending.next_ids, call.pending.next_positions  # [B, K'+1] x2 on the device
         if len(rows) < len(call.rows):
-            (kept,) = packed_copy([torch.tensor(index)], token_ids.device)  # [B'] without waiting for the device
+            kept = torch.from_numpy(np.array(index, dtype=np.int64))  # [B'] on the host ...
+            (kept,) = packed_copy([kept], token_ids.device)  # ... then the device's, without waiting for it
             token_ids, positions = token_ids.index_select(0, kept), positions.index_select(0, kept)  # [B', K'+1] x2
         num_draft = torch.from_numpy(np.array([s.request.num_draft_tokens for s in rows], dtype=np.int64))  # [B']
         params = _next_params(call, rows)
