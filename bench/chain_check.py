@@ -22,28 +22,12 @@ from .common import environment, write_result
 from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.serving import graphs
 from triton_mtp.serving.requests import EngineLimits, GenerationRequest, default_limits
-from triton_mtp.serving.scheduler import Scheduler
+from triton_mtp.serving.scheduler import FinalResponse, Scheduler
 from triton_mtp.serving.workers import DraftWorker, InProcessHops, TargetWorker, verify_window
 
 SLOTS, MAX_DRAFT, MAX_SEQ_LEN, REQUESTS = 4, 3, 256, 7
 CASES = (([3], 0), ([1, 2, 3], 0), ([3, 2], 2), ([2], 0))  # (k per request, in turn; spec_disable_rows)
 MODES = ("eager", "graphed", "chain graphed")
-
-
-class _Final:
-    """A response handle keeping the final response."""
-
-    response = None
-
-    def send(self, response, final: bool) -> None:
-        if final:
-            self.response = response
-
-    def send_error(self, message: str) -> None:
-        raise RuntimeError(message)
-
-    def is_cancelled(self) -> bool:
-        return False
 
 
 class _CountedChain:
@@ -85,13 +69,16 @@ def run(checkpoint: str, device: torch.device, mode: str, draft_counts: list[int
                           max_queue_size=REQUESTS, **default_limits(MAX_SEQ_LEN))
     engine = Scheduler(hops, limits, spec_disable_rows=spec_disable_rows)
     generator = torch.Generator().manual_seed(seed)
-    handles = [_Final() for _ in range(REQUESTS)]
+    handles = [FinalResponse() for _ in range(REQUESTS)]
     for n, handle in enumerate(handles):
         prompt = torch.randint(2, config.vocab_size, (3 + 5 * n,), generator=generator).tolist()
         engine.submit(GenerationRequest(input_ids=prompt, max_tokens=9 + 13 * n,
                                         num_draft_tokens=draft_counts[n % len(draft_counts)]), handle)
     engine.run_until_idle()
-    outputs = [(h.response.output_ids, h.response.total_accepted_draft_tokens, h.response.total_draft_tokens)
+    failed = [h.error for h in handles if h.final is None]
+    if failed:
+        raise RuntimeError(f"{mode}: a request failed: {failed[0]}")
+    outputs = [(h.final.output_ids, h.final.total_accepted_draft_tokens, h.final.total_draft_tokens)
                for h in handles]
     return outputs, chained.replays if chained is not None else None
 

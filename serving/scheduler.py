@@ -70,6 +70,25 @@ class ResponseHandle(Protocol):
     def is_cancelled(self) -> bool: ...
 
 
+class FinalResponse:
+    """A `ResponseHandle` that keeps a request's final response (or its error), for callers that run the engine
+    in process and read the whole output at the end."""
+
+    def __init__(self) -> None:
+        self.final: GenerationResponse | None = None
+        self.error: str | None = None
+
+    def send(self, response: GenerationResponse, final: bool) -> None:
+        if final:
+            self.final = response
+
+    def send_error(self, message: str) -> None:
+        self.error = message
+
+    def is_cancelled(self) -> bool:
+        return False
+
+
 @dataclass(eq=False)  # a request waiting for a slot is itself: compared by identity
 class _Waiting:
     request: GenerationRequest
@@ -154,6 +173,12 @@ class _Launched:
     starts: list[int]
     params: dict[str, torch.Tensor] | None  # its rows' `_row_params` when none was new: the next call reuses them
     chained: bool = False
+
+
+def _on_device(index: list[int], device: torch.device) -> torch.Tensor:
+    """`index` as an int64 tensor on `device`, built with numpy and copied without waiting for the device."""
+    (moved,) = packed_copy([torch.from_numpy(np.array(index, dtype=np.int64))], device)
+    return moved
 
 
 def _padded(values, length: int, pad: int) -> list[int]:
@@ -531,8 +556,7 @@ class Scheduler:
             return None
         token_ids = call.pending.next_ids  # [B, 1] on the device
         if len(rows) < len(call.rows):
-            kept = torch.from_numpy(np.array(index, dtype=np.int64))  # [B'] on the host ...
-            (kept,) = packed_copy([kept], token_ids.device)  # ... then the device's, without waiting for it
+            kept = _on_device(index, token_ids.device)  # [B']
             token_ids = token_ids.index_select(0, kept)  # [B', 1]
         starts = [len(s.tokens) for s in rows]  # where the tokens `call` emits go
         params = _next_params(call, rows)
@@ -556,8 +580,7 @@ class Scheduler:
             return None
         token_ids, positions = call.pending.next_ids, call.pending.next_positions  # [B, K'+1] x2 on the device
         if len(rows) < len(call.rows):
-            kept = torch.from_numpy(np.array(index, dtype=np.int64))  # [B'] on the host ...
-            (kept,) = packed_copy([kept], token_ids.device)  # ... then the device's, without waiting for it
+            kept = _on_device(index, token_ids.device)  # [B']
             token_ids, positions = token_ids.index_select(0, kept), positions.index_select(0, kept)  # [B', K'+1] x2
         num_draft = torch.from_numpy(np.array([s.request.num_draft_tokens for s in rows], dtype=np.int64))  # [B']
         params = _next_params(call, rows)

@@ -394,6 +394,7 @@ class DraftWorker:
         self.mtp = mtp
         self._num_layers = num_layers
         self._greedy = greedy or (lambda *inputs: draft_chain(mtp, num_layers, *inputs))
+        self._after = chained_draft(self._greedy, dtype)
         self._max_slots = max_slots
         self._device = torch.device(device)
         self._dtype = dtype
@@ -437,9 +438,8 @@ class DraftWorker:
     def draft_after(self, result: TargetResult, verified: TargetBatch, results: torch.Tensor, K: int) -> ChainedDraft:
         """`chained_draft` over the greedy chain, from a greedy verify's result on the device without the host:
         `verified` is the verified batch on the device, `results` the result's `window_results`."""
-        return chained_draft(self._greedy, self._dtype)(result.output_ids, result.num_accepted, result.hidden,
-                                                        verified.positions, verified.slot_ids, verified.num_draft,
-                                                        results, K)
+        return self._after(result.output_ids, result.num_accepted, result.hidden, verified.positions,
+                           verified.slot_ids, verified.num_draft, results, K)
 
 
 class PendingTarget:

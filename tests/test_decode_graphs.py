@@ -16,7 +16,7 @@ from triton_mtp.serving.graphs import (
     compile_graphs, draft_chain_graphs, graphs_wanted, mtp_graphs, target_graphs, with_decode_graphs,
 )
 from triton_mtp.serving.requests import EngineLimits, GenerationRequest, default_limits
-from triton_mtp.serving.scheduler import Scheduler
+from triton_mtp.serving.scheduler import FinalResponse, Scheduler
 from triton_mtp.serving.workers import (
     DraftWorker, InProcessHops, TargetWorker, draft_chain, split_window_results, verify_window,
 )
@@ -229,14 +229,15 @@ def test_the_engine_over_graphed_workers_emits_what_it_emits_eager(drafting_chec
                               max_queue_size=8, **default_limits(MAX_SEQ_LEN))
         engine = Scheduler(hops, limits, spec_disable_rows=spec_disable_rows)
         hops.mtp = _RecordedDrafts(hops.mtp)
-        handles = [_Collect() for _ in range(6)]
+        handles = [FinalResponse() for _ in range(6)]
         gen = torch.Generator().manual_seed(4)
         for n, handle in enumerate(handles):
             prompt = torch.randint(2, config.vocab_size, (3 + 2 * n,), generator=gen).tolist()
             engine.submit(GenerationRequest(input_ids=prompt, max_tokens=5 + 3 * n, num_draft_tokens=num_draft_tokens,
                                             temperature=temperature, seed=7 + n, return_logprobs=True), handle)
         engine.run_until_idle()
-        outputs.append([(h.response.output_ids, h.response.logprobs) for h in handles])
+        assert [h.error for h in handles] == [None] * len(handles)
+        outputs.append([(h.final.output_ids, h.final.logprobs) for h in handles])
         drafts.append(hops.mtp.calls)
     chains = num_draft_tokens and temperature == 0  # (with spec_disable_rows 2: once two rows are left)
     assert (_CountedBufferedReplay.replays > 0) == bool(chains)  # chained steps replayed the chain's graphs
@@ -249,23 +250,6 @@ def test_the_engine_over_graphed_workers_emits_what_it_emits_eager(drafting_chec
         for (eager_ids, eager_logprobs), (graphed_ids, graphed_logprobs) in zip(outputs[0], outputs[graphed]):
             assert graphed_ids == eager_ids
             assert graphed_logprobs == pytest.approx(eager_logprobs, abs=1e-5)
-
-
-class _Collect:
-    """A response handle keeping the final response."""
-
-    def __init__(self) -> None:
-        self.response = None
-
-    def send(self, response, final: bool) -> None:
-        if final:
-            self.response = response
-
-    def send_error(self, message: str) -> None:
-        raise AssertionError(message)
-
-    def is_cancelled(self) -> bool:
-        return False
 
 
 class Broken(EagerReplay):

@@ -19,9 +19,9 @@ import torch
 
 from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.serving.requests import (
-    EngineLimits, GenerationRequest, GenerationResponse, TokenizerFile, default_limits,
+    EngineLimits, GenerationRequest, TokenizerFile, default_limits,
 )
-from triton_mtp.serving.scheduler import Scheduler
+from triton_mtp.serving.scheduler import FinalResponse, Scheduler
 from triton_mtp.serving.workers import DraftWorker, InProcessHops, TargetWorker, verify_window
 from triton_mtp.train.config import BUNDLED_CHECKPOINT
 from triton_mtp.train.corpus import split_stdlib
@@ -60,24 +60,6 @@ class Acceptance:
         return "\n".join(rows)
 
 
-class _Collect:
-    """Response handle that keeps the final response."""
-
-    def __init__(self) -> None:
-        self.final: GenerationResponse | None = None
-        self.error: str | None = None
-
-    def send(self, response: GenerationResponse, final: bool) -> None:
-        if final:
-            self.final = response
-
-    def send_error(self, message: str) -> None:
-        self.error = message
-
-    def is_cancelled(self) -> bool:
-        return False
-
-
 def held_out_prompts(tokenizer: TokenizerFile, num_prompts: int, prompt_tokens: int,
                      corpus_root: Path | None = None) -> list[list[int]]:
     """The fixed held-out sample: `prompt_tokens` ids from the middle of each of the first held-out files."""
@@ -109,7 +91,7 @@ def evaluate(checkpoint: Path, prompts: list[list[int]], max_tokens: int, num_dr
     hops = InProcessHops(TargetWorker(verify_window(target), len(prompts)),
                          DraftWorker(mtp, config.num_nextn_predict_layers, len(prompts)))
     engine = Scheduler(hops, limits)
-    handles = [_Collect() for _ in prompts]
+    handles = [FinalResponse() for _ in prompts]
     for ids, handle in zip(prompts, handles):
         engine.submit(GenerationRequest(input_ids=ids, max_tokens=max_tokens,
                                         num_draft_tokens=num_draft_tokens), handle)
