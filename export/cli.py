@@ -55,6 +55,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--response-threads", type=_at_least(0), default=0, metavar="N",
                         help="spec_decode sends streamed responses from N threads while the next step runs; "
                         "0 sends them from the engine's step (default: 0)")
+    parser.add_argument("--response-lag-steps", type=_at_least(0), default=1, metavar="N",
+                        help="with --response-threads: after each step's hops, the engine waits for the responses "
+                        "queued N + 1 steps before, so sending overlaps N + 1 steps (default: 1)")
     parser.add_argument("--stream-interval", type=_at_least(1), default=1, metavar="N",
                         help="a streamed request gets a response once N of its tokens are unsent (its first at "
                         "once): fewer responses, each a round trip to the server, under load (default: 1, every step)")
@@ -93,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
                             "max_output_tokens": args.max_output_tokens, "request_timeout_s": args.request_timeout},
             eager_compile=not args.no_compile, cuda_graphs=not args.no_cuda_graphs, compile_graphs=args.compile_graphs,
             response_threads=args.response_threads,
+            response_lag_steps=args.response_lag_steps,
             stream_interval=args.stream_interval,
             spec_disable_rows=args.spec_disable_rows,
             overlap=not args.no_overlap,

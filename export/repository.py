@@ -66,6 +66,7 @@ def write_repository(
     cuda_graphs: bool = True,
     compile_graphs: bool = False,
     response_threads: int = 0,
+    response_lag_steps: int = 1,
     stream_interval: int = 1,
     spec_disable_rows: int = 0,
     overlap: bool = True,
@@ -85,7 +86,8 @@ def write_repository(
     tokens, max_tokens cap, request timeout). `cuda_graphs` lets the `target` and `mtp` models on CUDA
     replay decode-time calls from captured graphs (serving/graphs.py), captured over torch.compile'd steps
     with `compile_graphs`. `response_threads` > 0 makes `spec_decode` send streamed responses from that
-    many threads (serving/responses.py); `stream_interval`, `spec_disable_rows`, `overlap` and
+    many threads (serving/responses.py), the engine waiting after each step for the responses of
+    `response_lag_steps` + 1 steps before; `stream_interval`, `spec_disable_rows`, `overlap` and
     `separate_prefill` are the scheduler's (serving/scheduler.py). `switch_interval_us` > 0 sets the
     Python thread switch interval of `spec_decode`'s process (`sys.setswitchinterval`; 0 keeps Python's 5 ms).
     `tensor_parallel` > 1 (eager format) makes the `target`
@@ -166,6 +168,7 @@ def write_repository(
         "cuda_graphs": "true" if cuda_graphs else "false",
         "compile_graphs": "true" if compile_graphs else "false",
         "response_threads": response_threads,
+        "response_lag_steps": response_lag_steps,
         "stream_interval": stream_interval,
         "spec_disable_rows": spec_disable_rows,
         "overlap": "true" if overlap else "false",

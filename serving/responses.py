@@ -4,8 +4,9 @@ In Triton a response is a message from the Python backend's stub to the server t
 reply (the GIL released meanwhile): 0.27 ms each on the H200 host. At 32 streams, sending a step's
 responses took 8.5 of the 13.2 ms step (docs/benchmarks.md, run 10). `ResponseThreads` sends them from
 N threads. Each request always goes to the same thread, so its responses keep their order. The
-scheduler calls `drain()` once per step, after that step's hops, so the sending overlaps one step's
-compute and never falls further behind.
+scheduler calls `drain()` once per step, after that step's hops: it waits for the responses queued
+`lag_steps` drains before, so the sending overlaps `lag_steps + 1` steps' compute and never falls
+further behind than that.
 
 Asking whether a request was cancelled is such a round trip too (7% of the engine thread's time at 32
 streams, run 26): each thread also asks for its own requests, every `cancel_check_interval_s`, and the
@@ -13,6 +14,7 @@ engine reads the answer the thread last got.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import queue
 import threading
@@ -26,11 +28,15 @@ from triton_mtp.serving.scheduler import ResponseHandle
 class ResponseThreads:
     """`threads` sending threads; `close()` sends what is queued, then stops them."""
 
-    def __init__(self, threads: int, cancel_check_interval_s: float = 0.05) -> None:
+    def __init__(self, threads: int, cancel_check_interval_s: float = 0.05, lag_steps: int = 0) -> None:
         if threads < 1:
             raise ValueError(f"response_threads: must be >= 1 to send from threads, got {threads}")
         if not cancel_check_interval_s > 0:
             raise ValueError(f"cancel_check_interval_s: must be > 0, got {cancel_check_interval_s}")
+        if lag_steps < 0:
+            raise ValueError(f"response_lag_steps: must be >= 0, got {lag_steps}")
+        self._lag = lag_steps
+        self._marks: collections.deque[list[threading.Event]] = collections.deque()  # one per drain: [threads]
         self._queues: list[queue.Queue[tuple[Callable, tuple] | None]] = [queue.Queue() for _ in range(threads)]
         self._handles: list[set[_Queued]] = [set() for _ in range(threads)]  # per thread: requests not finished
         self._lock = threading.Lock()
@@ -61,9 +67,15 @@ class ResponseThreads:
             raise
 
     def drain(self) -> None:
-        """Wait until everything queued so far has been sent."""
-        for q in self._queues:
-            q.join()
+        """Wait until everything queued before the last `lag_steps` drains (with 0: so far) has been sent. Each
+        drain queues a mark behind what is queued; a thread sets it once it reaches it."""
+        marks = [threading.Event() for _ in self._queues]
+        for q, mark in zip(self._queues, marks):
+            q.put((mark.set, ()))
+        self._marks.append(marks)
+        while len(self._marks) > self._lag:
+            for mark in self._marks.popleft():
+                mark.wait()
 
     def close(self) -> None:
         for q in self._queues:

@@ -489,14 +489,16 @@ class SlowHandle(Collect):
         super().send(response, final)
 
 
-def test_response_threads_keep_each_requests_order_and_drain_before_the_next_step(models):
+@pytest.mark.parametrize("lag_steps", [0, 1])
+def test_response_threads_keep_each_requests_order_and_drain_before_the_next_step(models, lag_steps):
+    """A drain waits for what was handed over before the drain `lag_steps` earlier: with 0, for everything."""
     from triton_mtp.serving.responses import ResponseThreads
 
     batch = [GenerationRequest(p, 10, num_draft_tokens=2, stream=True) for p in prompts(6, seed=12)]
     inline = run(scheduler(models), batch)
-    responses = ResponseThreads(3)
+    responses = ResponseThreads(3, lag_steps=lag_steps)
     handles = [SlowHandle(delay_s=0.02, fail=(i == 5)) for i in range(len(batch))]
-    handed, behind = [0], []
+    handed, drains = [0], []  # drains: (handed over before the drain, sent once it returned)
 
     class Counted:  # what the engine hands over, as it hands it over
         def __init__(self, handle) -> None:
@@ -509,16 +511,24 @@ def test_response_threads_keep_each_requests_order_and_drain_before_the_next_ste
         def is_cancelled(self) -> bool:
             return self.handle.is_cancelled()
 
-    def drain() -> None:  # as spec_decode's model wires it, checking that nothing is left unsent after it
+    def drain() -> None:  # as spec_decode's model wires it, checking what is left unsent after it
+        before = handed[0]
         responses.drain()
-        behind.append(handed[0] - sum(h.sent for h in handles))
+        drains.append((before, sum(h.sent for h in handles)))
 
     engine = scheduler(models, drain_responses=drain)
     for request, handle in zip(batch, handles):
         engine.submit(request, Counted(responses.handle(handle)))
     engine.run_until_idle()
     responses.close()  # sends what is still queued
-    assert len(behind) > 5 and set(behind) == {0}, "each step waits for the previous step's responses"
+    assert len(drains) > 5
+    waited_for = [0] * lag_steps + [before for before, _ in drains]  # what each drain waits for
+    assert all(sent >= waited for (_, sent), waited in zip(drains, waited_for)), "a drain returned too early"
+    behind = [before - sent for before, sent in drains]
+    if lag_steps:
+        assert max(behind) > 0, "the responses of the step before are not waited for"
+    else:
+        assert set(behind) == {0}, "each step waits for the previous step's responses"
     for got, expected in zip(handles[:5], inline):
         assert [r for r, _ in got.responses] == [r for r, _ in expected.responses]  # same responses, in order
         assert [final for _, final in got.responses] == [final for _, final in expected.responses]
@@ -526,6 +536,8 @@ def test_response_threads_keep_each_requests_order_and_drain_before_the_next_ste
     assert len({name for h in handles for name in h.threads}) == 3 and all(len(h.threads) == 1 for h in handles)
     with pytest.raises(ValueError, match="response_threads"):
         ResponseThreads(0)
+    with pytest.raises(ValueError, match="response_lag_steps"):
+        ResponseThreads(1, lag_steps=-1)
 
 
 class AskedFrom(Collect):
