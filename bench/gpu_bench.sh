@@ -34,7 +34,8 @@
 #               PATH or .bundle/wheels/py_spy-*.whl: $OUT/profile/
 #   triton_local_ab  with BENCH_AB="key=value[,key=value] ..." (BENCH_ONLY naming it, where set): for each change, the local-hops export served again with
 #               those spec_decode parameters changed in its config.pbtxt (an A/B against triton_local without a new
-#               export), k = BENCH_AB_K (default 3, or the export's largest k) at BENCH_AB_STREAMS (default 1,32): $OUT/ab/<key-value_key-value>.json
+#               export), k = BENCH_AB_K (default 3, or the export's largest k; 0: plain alone) at BENCH_AB_STREAMS (default 1,32),
+#               BENCH_AB_REQUESTS_PER_STREAM requests per stream (default 2): $OUT/ab/<key-value_key-value>.json
 #   chain_check (on a GPU, only when BENCH_ONLY names it) bench/chain_check.py: chained steps replayed from the
 #               chain graph emit what eager workers and the graphs without it emit: $OUT/chain_check.json
 #   graph_time  (on a GPU, only when BENCH_ONLY names it) bench/graph_time.py: GPU time of one target graph replay
@@ -284,6 +285,7 @@ PY
         stub_path_on
         stage triton_local_ab "${BENCH_TRITON_AB_S:-120}" python -m bench.triton_bench "${common[@]}" \
             --draft-tokens "${BENCH_AB_K:-$((max_draft < 3 ? max_draft : 3))}" --concurrency "${BENCH_AB_STREAMS:-$ab_streams}" --warmup "$warmup" \
+            --requests-per-stream "${BENCH_AB_REQUESTS_PER_STREAM:-2}" \
             --repository "$local_repository" --out "$OUT/ab/$ab_name.json" --server-log "$OUT/ab/$ab_name.log"
         stub_path_off
     done
