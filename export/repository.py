@@ -66,7 +66,7 @@ def write_repository(
     cuda_graphs: bool = True,
     compile_graphs: bool = False,
     response_threads: int = 0,
-    response_lag_steps: int = 1,
+    response_lag_steps: int = 0,
     stream_interval: int = 1,
     spec_disable_rows: int = 0,
     overlap: bool = True,

@@ -57,7 +57,7 @@ def test_the_repository_holds_spec_decode_alone_with_the_artifacts_inside(local_
     config = (local_repository / "spec_decode" / "config.pbtxt").read_text()
     assert re.search(r'key: "hops", value: \{ string_value: "local" \}', config)
     assert re.search(r'key: "response_threads", value: \{ string_value: "2" \}', config)
-    assert re.search(r'key: "response_lag_steps", value: \{ string_value: "1" \}', config)  # the export's default
+    assert re.search(r'key: "response_lag_steps", value: \{ string_value: "0" \}', config)  # the export's default
     assert re.search(r'key: "stream_interval", value: \{ string_value: "3" \}', config)
     assert re.search(r'key: "spec_disable_rows", value: \{ string_value: "2" \}', config)
     assert re.search(r'key: "overlap", value: \{ string_value: "true" \}', config)

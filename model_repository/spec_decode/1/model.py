@@ -26,7 +26,7 @@ class TritonPythonModel:
         threads = int_parameter(params, "response_threads", 0, default=0)
         # Response threads send streamed responses and ask whether requests were cancelled; the engine then reads
         # their answers every step. Without them the engine's step does both, asking at most every interval.
-        lag_steps = int_parameter(params, "response_lag_steps", 0, default=1)
+        lag_steps = int_parameter(params, "response_lag_steps", 0, default=0)
         self.responses = ResponseThreads(threads, triton_io.CANCEL_CHECK_INTERVAL_S, lag_steps) if threads else None
         cancel_check_interval_s = 0.0 if self.responses else triton_io.CANCEL_CHECK_INTERVAL_S
         self.scheduler = Scheduler(hops, self.limits, metrics, self.tokenizer,
