@@ -35,7 +35,7 @@
 #   triton_local_ab  with BENCH_AB="key=value[,key=value] ..." (BENCH_ONLY naming it, where set): for each change, the local-hops export served again with
 #               those spec_decode parameters changed in its config.pbtxt (an A/B against triton_local without a new
 #               export), k = BENCH_AB_K (default 3, or the export's largest k; 0: plain alone) at BENCH_AB_STREAMS (default 1,32),
-#               BENCH_AB_REQUESTS_PER_STREAM requests per stream (default 2): $OUT/ab/<key-value_key-value>.json
+#               BENCH_AB_REQUESTS_PER_STREAM requests per stream (default BENCH_REQUESTS_PER_STREAM): $OUT/ab/<key-value_key-value>.json
 #   chain_check (on a GPU, only when BENCH_ONLY names it) bench/chain_check.py: chained steps replayed from the
 #               chain graph emit what eager workers and the graphs without it emit: $OUT/chain_check.json
 #   graph_time  (on a GPU, only when BENCH_ONLY names it) bench/graph_time.py: GPU time of one target graph replay
@@ -66,7 +66,8 @@
 # checkpoint when none is given) so the whole script is known to run. BENCH_REPOSITORY=<dir> serves an
 # existing repository instead of exporting. BENCH_LOCAL_REPOSITORY=<dir>: the local-hops export goes there and
 # stays; a later run on the same machine given the same dir serves it without exporting again (A/B runs
-# after a full one). BENCH_FORMAT picks the export format.
+# after a full one). BENCH_FORMAT picks the export format. BENCH_REQUESTS_PER_STREAM=N: requests per stream
+# of each concurrency level of the triton stages (default 2; at 32 streams 2 make a level about 0.5 s long).
 set -uo pipefail
 : "${OUT:?set OUT to the results directory}"
 repo=$(pwd)
@@ -242,7 +243,8 @@ export_cmd=(python -m triton_mtp.cli export --checkpoint "$checkpoint" --format 
 if [ -z "${BENCH_REPOSITORY:-}" ]; then
     stage export "${BENCH_EXPORT_S:-90}" "${export_cmd[@]}" --repository "$repository"
 fi
-triton_cmd=(python -m bench.triton_bench "${common[@]}" --draft-tokens "$drafts" --concurrency "$streams" --warmup "$warmup")
+triton_cmd=(python -m bench.triton_bench "${common[@]}" --draft-tokens "$drafts" --concurrency "$streams" --warmup "$warmup"
+            --requests-per-stream "${BENCH_REQUESTS_PER_STREAM:-2}")
 if [ -d "$repository/spec_decode" ] && [ "$device" = cuda ]; then
     stage capture "${BENCH_CAPTURE_S:-90}" python -m bench.capture_check --repository "$repository" \
         --out "$stages/capture.json"
@@ -285,7 +287,7 @@ PY
         stub_path_on
         stage triton_local_ab "${BENCH_TRITON_AB_S:-120}" python -m bench.triton_bench "${common[@]}" \
             --draft-tokens "${BENCH_AB_K:-$((max_draft < 3 ? max_draft : 3))}" --concurrency "${BENCH_AB_STREAMS:-$ab_streams}" --warmup "$warmup" \
-            --requests-per-stream "${BENCH_AB_REQUESTS_PER_STREAM:-2}" \
+            --requests-per-stream "${BENCH_AB_REQUESTS_PER_STREAM:-${BENCH_REQUESTS_PER_STREAM:-2}}" \
             --repository "$local_repository" --out "$OUT/ab/$ab_name.json" --server-log "$OUT/ab/$ab_name.log"
         stub_path_off
     done
