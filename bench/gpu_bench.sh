@@ -32,10 +32,11 @@
 #               samples of spec_decode's stub while one stream decodes, k = BENCH_PROFILE_K (default 0 and 3, or
 #               the export's largest k) over BENCH_PROFILE_STREAMS concurrent streams (default 1), with py-spy from
 #               PATH or .bundle/wheels/py_spy-*.whl: $OUT/profile/
-#   triton_local_ab  with BENCH_AB="key=value[,key=value] ..." (BENCH_ONLY naming it, where set): for each change, the local-hops export served again with
-#               those spec_decode parameters changed in its config.pbtxt (an A/B against triton_local without a new
-#               export), k = BENCH_AB_K (default 3, or the export's largest k; 0: plain alone) at BENCH_AB_STREAMS (default 1,32),
-#               BENCH_AB_REQUESTS_PER_STREAM requests per stream (default BENCH_REQUESTS_PER_STREAM): $OUT/ab/<key-value_key-value>.json
+#   triton_local_ab  with BENCH_AB="key=value[,key=value] ..." (BENCH_ONLY naming it, where set): bench/triton_ab.py,
+#               the local-hops export and one model per change (those spec_decode parameters changed) served side by
+#               side by one server, measured in turns: k in BENCH_AB_K (default 0,3, or the export's largest k), at
+#               BENCH_AB_STREAMS (default 1,32), BENCH_AB_REQUESTS_PER_STREAM requests per stream (default 8),
+#               BENCH_AB_ROUNDS rounds (default 2): $OUT/ab.json
 #   chain_check (on a GPU, only when BENCH_ONLY names it) bench/chain_check.py: chained steps replayed from the
 #               chain graph emit what eager workers and the graphs without it emit: $OUT/chain_check.json
 #   graph_time  (on a GPU, only when BENCH_ONLY names it) bench/graph_time.py: GPU time of one target graph replay
@@ -272,26 +273,14 @@ if [ -d "$local_repository/spec_decode" ]; then
     stub_path_off
 fi
 if [ -d "$local_repository/spec_decode" ] && [ -n "${BENCH_AB:-}" ]; then  # the same export, parameters changed
-    cp "$local_repository/spec_decode/config.pbtxt" "$work/config.pbtxt"
-    mkdir -p "$OUT/ab"
-    for change in $BENCH_AB; do
-        ab_name=$(echo "$change" | tr '=,' '-_')  # plain file names: key-value_key-value
-        python - "$work/config.pbtxt" "$local_repository/spec_decode/config.pbtxt" "$change" >>"$log" 2>&1 <<'PY'
-import pathlib, re, sys
-config = pathlib.Path(sys.argv[1]).read_text()
-for key, value in (item.split("=", 1) for item in sys.argv[3].split(",")):
-    config, n = re.subn(rf'(key: "{key}", value: {{ string_value: )"[^"]*"', rf'\1"{value}"', config)
-    assert n == 1, f"no parameter {key} in config.pbtxt"
-pathlib.Path(sys.argv[2]).write_text(config)
-PY
-        stub_path_on
-        stage triton_local_ab "${BENCH_TRITON_AB_S:-120}" python -m bench.triton_bench "${common[@]}" \
-            --draft-tokens "${BENCH_AB_K:-$((max_draft < 3 ? max_draft : 3))}" --concurrency "${BENCH_AB_STREAMS:-$ab_streams}" --warmup "$warmup" \
-            --requests-per-stream "${BENCH_AB_REQUESTS_PER_STREAM:-${BENCH_REQUESTS_PER_STREAM:-2}}" \
-            --repository "$local_repository" --out "$OUT/ab/$ab_name.json" --server-log "$OUT/ab/$ab_name.log"
-        stub_path_off
-    done
-    cp "$work/config.pbtxt" "$local_repository/spec_decode/config.pbtxt"
+    ab_changes=()
+    for change in $BENCH_AB; do ab_changes+=(--change "$change"); done
+    stub_path_on
+    stage triton_local_ab "${BENCH_TRITON_AB_S:-240}" python -m bench.triton_ab "${common[@]}" "${ab_changes[@]}" \
+        --draft-tokens "${BENCH_AB_K:-0,$((max_draft < 3 ? max_draft : 3))}" --concurrency "${BENCH_AB_STREAMS:-$ab_streams}" \
+        --requests-per-stream "${BENCH_AB_REQUESTS_PER_STREAM:-8}" --rounds "${BENCH_AB_ROUNDS:-2}" \
+        --repository "$local_repository" --out "$OUT/ab.json" --server-log "$OUT/server_ab.log"
+    stub_path_off
 fi
 if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" chain_check "* ]]; then  # on request
     stage chain_check "${BENCH_CHAIN_CHECK_S:-90}" python -m bench.chain_check --checkpoint "$checkpoint" \

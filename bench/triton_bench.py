@@ -68,7 +68,8 @@ def _scalar(result: grpcclient.InferResult, name: str) -> int | None:
 class StreamClient:
     """One gRPC connection with one bidirectional stream; `generate` sends a request and reads it to the end."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, model: str = MODEL) -> None:
+        self.model = model
         self.client = grpcclient.InferenceServerClient(url)
         self.responses: queue.Queue = queue.Queue()
         self.client.start_stream(callback=lambda result, error: self.responses.put((time.perf_counter(), result, error)))
@@ -88,11 +89,11 @@ class StreamClient:
             inputs.append(tensor)
         stats = RequestStats()
         sent = last = time.perf_counter()
-        self.client.async_stream_infer(MODEL, inputs, request_id=request_id, enable_empty_final_response=True)
+        self.client.async_stream_infer(self.model, inputs, request_id=request_id, enable_empty_final_response=True)
         while True:
             now, result, error = self.responses.get(timeout=RESPONSE_TIMEOUT_S)
             if error is not None:
-                raise RuntimeError(f"{MODEL} request {request_id}: {error}")
+                raise RuntimeError(f"{self.model} request {request_id}: {error}")
             ids = result.as_numpy("output_ids")
             n = 0 if ids is None else int(ids.size)
             if n:
@@ -155,8 +156,9 @@ def per_call_ms(before: dict, after: dict) -> dict[str, dict[str, float]]:
 
 
 def run_level(url: str, metrics_url: str, prompts: list[list[int]], streams: int, requests: int,
-              max_tokens: int, k: int, keep_outputs: bool = False) -> dict:
-    """`requests` requests over `streams` concurrent streams (prompts cycled); the run's summary.
+              max_tokens: int, k: int, keep_outputs: bool = False, model: str = MODEL) -> dict:
+    """`requests` requests to `model` over `streams` concurrent streams (prompts cycled); the run's summary.
+    The engine's counters are the server's whole (one `spec_decode` model's while only it is busy).
 
     keep_outputs: add each request's output ids, in request order, as "outputs".
     """
@@ -166,7 +168,7 @@ def run_level(url: str, metrics_url: str, prompts: list[list[int]], streams: int
     stats: dict[int, RequestStats] = {}
     errors: list[str] = []
     lock = threading.Lock()
-    clients = [StreamClient(url) for _ in range(streams)]
+    clients = [StreamClient(url, model) for _ in range(streams)]
 
     def worker(client: StreamClient) -> None:
         while True:

@@ -262,3 +262,50 @@ def test_chain_check_finds_the_chain_graph_agreeing(drafting_checkpoint, tmp_pat
     assert len(cases) == 4 and all(case["agree"] for case in cases)
     assert all(case["chain_replays"] > 0 for case in cases)
     assert any(accepted for case in cases for accepted, _ in case["accepted_of_drafted"])  # drafts were kept
+
+
+def test_triton_ab_serves_each_change_beside_the_export_in_one_server(tmp_path):
+    """bench/triton_ab.py: the server loads the export and one model per change; each model runs with its
+    parameters as changed and emits the export's greedy tokens (the same weights)."""
+    from triton_mtp.export.repository import write_repository
+
+    checkpoint = perfect_drafter_checkpoint(tmp_path / "checkpoint")
+    repository = tmp_path / "repository"
+    write_repository(checkpoint, repository, max_slots=4, max_draft_tokens=2, hops="local", response_threads=1,
+                     progress=False, log=lambda line: None)
+    out = tmp_path / "ab.json"
+    done = run_module("bench.triton_ab", "--checkpoint", str(checkpoint), "--repository", str(repository),
+                      "--change", "response_lag_steps=1", "--change", "stream_interval=3,spec_disable_rows=1",
+                      "--draft-tokens", "0,2", "--concurrency", "1,2", "--rounds", "2", "--prompts", "2",
+                      "--prompt-tokens", "16", "--max-tokens", "12", "--requests-per-stream", "1", "--out", str(out))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["models"] == {"spec_decode": "", "spec_decode_ab0": "response_lag_steps=1",
+                                "spec_decode_ab1": "stream_interval=3,spec_disable_rows=1"}
+    served = result["parameters"]
+    assert [served[m]["response_lag_steps"] for m in result["models"]] == ["0", "1", "0"]
+    assert [(served[m]["stream_interval"], served[m]["spec_disable_rows"]) for m in result["models"]] == \
+        [("1", "0"), ("1", "0"), ("3", "1")]
+    assert len(result["rounds"]) == 2
+    for measured in result["rounds"]:
+        for k in ("0", "2"):
+            export = measured["spec_decode"][k]["1"]["outputs"]
+            assert len(export) == 2 and all(len(ids) == 12 for ids in export)
+            for model in result["models"]:
+                assert set(measured[model][k]) == {"1", "2"}
+                assert measured[model][k]["2"]["output_tokens"] == 2 * 12  # a request per stream
+                assert measured[model][k]["1"]["outputs"] == export, (model, k)
+        assert measured["spec_decode_ab0"]["2"]["1"]["acceptance_per_position"][0] == 1.0  # it drafts, perfectly
+        assert measured["spec_decode"]["2"]["2"]["steps"] > 0
+
+
+def test_triton_ab_refuses_a_change_of_no_parameter():
+    from bench.triton_ab import changed_config
+
+    config = 'name: "spec_decode"\nparameters { key: "stream_interval", value: { string_value: "1" } }\n'
+    assert changed_config(config, "spec_decode_ab0", "stream_interval=4") == \
+        'name: "spec_decode_ab0"\nparameters { key: "stream_interval", value: { string_value: "4" } }\n'
+    with pytest.raises(ValueError, match="no parameter 'overlap'"):
+        changed_config(config, "spec_decode_ab0", "overlap=false")
+    with pytest.raises(ValueError, match="not key=value"):
+        changed_config(config, "spec_decode_ab0", "stream_interval")
