@@ -93,8 +93,22 @@ def run(args: argparse.Namespace, url: str, metrics_url: str, models: dict[str, 
                           f"streams: {level['tokens_per_s']:.1f} tokens/s, ITL p50 {level['itl']['p50_ms']:.2f} ms",
                           flush=True)
         result["rounds"].append(measured)
+        result["mean_tokens_per_s"] = mean_tokens_per_s(result["rounds"])
         write_result(args.out, result)  # what is done so far survives a time limit
+    for model, by_k in result["mean_tokens_per_s"].items():
+        for k, by_streams in by_k.items():
+            levels_text = ", ".join(f"{streams} streams {rate:.1f}" for streams, rate in by_streams.items())
+            print(f"triton_ab {models[model] or 'export'}, k={k}, tokens/s over {args.rounds} rounds: {levels_text}")
     return result
+
+
+def mean_tokens_per_s(rounds: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
+    """{model: {k: {streams: tokens/s}}}, the mean over the rounds."""
+    first = rounds[0]
+    return {model: {k: {streams: sum(r[model][k][streams]["tokens_per_s"] for r in rounds) / len(rounds)
+                        for streams in by_streams}
+                    for k, by_streams in by_k.items()}
+            for model, by_k in first.items()}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -297,6 +297,8 @@ def test_triton_ab_serves_each_change_beside_the_export_in_one_server(tmp_path):
                 assert measured[model][k]["1"]["outputs"] == export, (model, k)
         assert measured["spec_decode_ab0"]["2"]["1"]["acceptance_per_position"][0] == 1.0  # it drafts, perfectly
         assert measured["spec_decode"]["2"]["2"]["steps"] > 0
+    mean = result["mean_tokens_per_s"]["spec_decode_ab1"]["2"]["2"]
+    assert mean == pytest.approx(sum(r["spec_decode_ab1"]["2"]["2"]["tokens_per_s"] for r in result["rounds"]) / 2)
 
 
 def test_triton_ab_refuses_a_change_of_no_parameter():
