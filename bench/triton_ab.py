@@ -38,7 +38,7 @@ def changed_config(config: str, name: str, change: str) -> str:
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"change {change!r}: {item!r} is not key=value")
-        config, n = re.subn(_PARAMETER.format(key=re.escape(key)), rf'\g<1>"{value}"', config)
+        config, n = re.subn(_PARAMETER.format(key=re.escape(key)), lambda m: f'{m[1]}"{value}"', config)
         if n != 1:
             raise ValueError(f"change {change!r}: no parameter {key!r} in config.pbtxt")
     return config
@@ -76,16 +76,22 @@ def run(args: argparse.Namespace, url: str, metrics_url: str, models: dict[str, 
     result = {"benchmark": "triton_ab", "prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
               "max_tokens": args.max_tokens, "environment": environment(), "models": models,
               "parameters": {model: served_parameters(url, model) for model in models}, "rounds": []}
+    changed = sorted({item.partition("=")[0] for change in models.values() if change for item in change.split(",")})
+    for model, parameters in result["parameters"].items():  # as served: the export's own values too
+        print(f"triton_ab {model}: " + ", ".join(f"{key}={parameters.get(key)}" for key in changed), flush=True)
     for model in models:  # untimed: the first calls of each batch shape
         for k in draft_counts:
             for streams in levels:
                 run_level(url, metrics_url, prompts, streams, streams, min(args.max_tokens, 16), k, model=model)
-    for _ in range(args.rounds):
+    order = list(models)
+    for turn in range(args.rounds):
         measured: dict[str, dict[str, dict[str, dict]]] = {model: {} for model in models}
+        turn_order = order[turn % len(order):] + order[: turn % len(order)]  # each round starts with another model
         for k in draft_counts:
             for streams in levels:
                 requests = max(streams * args.requests_per_stream, len(prompts))
-                for model, change in models.items():
+                for model in turn_order:
+                    change = models[model]
                     level = run_level(url, metrics_url, prompts, streams, requests, args.max_tokens, k,
                                       keep_outputs=streams == 1, model=model)
                     measured[model].setdefault(str(k), {})[str(streams)] = level
@@ -111,6 +117,13 @@ def mean_tokens_per_s(rounds: list[dict]) -> dict[str, dict[str, dict[str, float
             for model, by_k in first.items()}
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, help="checkpoint directory the repository was exported from")
     parser.add_argument("--repository", required=True, help="a repository holding `spec_decode` (export --hops local)")
@@ -120,8 +133,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server-log", help="where the embedded server writes its log")
     parser.add_argument("--draft-tokens", default="0", help="comma-separated num_draft_tokens, each measured (default 0)")
     parser.add_argument("--concurrency", default="1,32")
-    parser.add_argument("--requests-per-stream", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=2, help="every model at every level, this many times in turn")
+    parser.add_argument("--requests-per-stream", type=_positive, default=8)
+    parser.add_argument("--rounds", type=_positive, default=2, help="every model at every level, this many times in turn")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)

@@ -56,8 +56,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="spec_decode sends streamed responses from N threads while the next step runs; "
                         "0 sends them from the engine's step (default: 0)")
     parser.add_argument("--response-lag-steps", type=_at_least(0), default=0, metavar="N",
-                        help="with --response-threads: after each step's hops, the engine waits for the responses "
-                        "queued N + 1 steps before, so sending overlaps N + 1 steps (default: 0)")
+                        help="with --response-threads: after each target call it reads (once a step), the engine "
+                        "waits for the responses queued N + 1 calls before, so sending overlaps N + 1 steps (default: 0)")
     parser.add_argument("--stream-interval", type=_at_least(1), default=1, metavar="N",
                         help="a streamed request gets a response once N of its tokens are unsent (its first at "
                         "once): fewer responses, each a round trip to the server, under load (default: 1, every step)")

@@ -86,8 +86,8 @@ def write_repository(
     tokens, max_tokens cap, request timeout). `cuda_graphs` lets the `target` and `mtp` models on CUDA
     replay decode-time calls from captured graphs (serving/graphs.py), captured over torch.compile'd steps
     with `compile_graphs`. `response_threads` > 0 makes `spec_decode` send streamed responses from that
-    many threads (serving/responses.py), the engine waiting after each step for the responses of
-    `response_lag_steps` + 1 steps before; `stream_interval`, `spec_disable_rows`, `overlap` and
+    many threads (serving/responses.py), the engine waiting after each target call it reads for the
+    responses queued `response_lag_steps` + 1 calls before; `stream_interval`, `spec_disable_rows`, `overlap` and
     `separate_prefill` are the scheduler's (serving/scheduler.py). `switch_interval_us` > 0 sets the
     Python thread switch interval of `spec_decode`'s process (`sys.setswitchinterval`; 0 keeps Python's 5 ms).
     `tensor_parallel` > 1 (eager format) makes the `target`

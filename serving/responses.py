@@ -4,9 +4,9 @@ In Triton a response is a message from the Python backend's stub to the server t
 reply (the GIL released meanwhile): 0.27 ms each on the H200 host. At 32 streams, sending a step's
 responses took 8.5 of the 13.2 ms step (docs/benchmarks.md, run 10). `ResponseThreads` sends them from
 N threads. Each request always goes to the same thread, so its responses keep their order. The
-scheduler calls `drain()` once per step, after that step's hops: it waits for the responses queued
-`lag_steps` drains before, so the sending overlaps `lag_steps + 1` steps' compute and never falls
-further behind than that.
+scheduler calls `drain()` after each target call it reads (once a step; twice in a step that prefills
+prompts in a call of their own): it waits for the responses queued before the drain `lag_steps` drains
+earlier, so the sending overlaps `lag_steps + 1` steps' compute and never falls further behind than that.
 
 Asking whether a request was cancelled is such a round trip too (7% of the engine thread's time at 32
 streams, run 26): each thread also asks for its own requests, every `cancel_check_interval_s`, and the
