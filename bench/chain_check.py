@@ -21,7 +21,7 @@ import torch
 from .common import environment, write_result
 from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.serving import graphs
-from triton_mtp.serving.requests import EngineLimits, GenerationRequest, default_limits
+from triton_mtp.serving.requests import GenerationRequest, in_process_limits
 from triton_mtp.serving.scheduler import FinalResponse, Scheduler
 from triton_mtp.serving.workers import DraftWorker, InProcessHops, TargetWorker, verify_window
 
@@ -64,9 +64,7 @@ def run(checkpoint: str, device: torch.device, mode: str, draft_counts: list[int
             chained = _CountedChain(chained)
     hops = InProcessHops(TargetWorker(window, SLOTS, device),
                          DraftWorker(mtp_step, layers, SLOTS, device, torch.float32, greedy=greedy), chained)
-    limits = EngineLimits(max_slots=SLOTS, max_seq_len=MAX_SEQ_LEN, vocab_size=config.vocab_size,
-                          max_draft_tokens=MAX_DRAFT, default_num_draft_tokens=0, eos_token_id=-1,
-                          max_queue_size=REQUESTS, **default_limits(MAX_SEQ_LEN))
+    limits = in_process_limits(config.vocab_size, SLOTS, MAX_SEQ_LEN, MAX_DRAFT, REQUESTS)
     engine = Scheduler(hops, limits, spec_disable_rows=spec_disable_rows)
     generator = torch.Generator().manual_seed(seed)
     handles = [FinalResponse() for _ in range(REQUESTS)]

@@ -53,7 +53,7 @@ from triton_mtp.export.formats import DTYPES
 from triton_mtp.export.formats.eager import compile_step
 from triton_mtp.export.moe import MOE_KINDS, default_moe_kind
 from triton_mtp.serving import graphs
-from triton_mtp.serving.requests import EngineLimits, GenerationRequest, TokenizerFile, default_limits
+from triton_mtp.serving.requests import GenerationRequest, TokenizerFile, in_process_limits
 from triton_mtp.serving.scheduler import Scheduler
 from triton_mtp.serving.workers import DraftWorker, InProcessHops, TargetWorker, draft_chain, verify_window
 from triton_mtp.train.acceptance import held_out_prompts
@@ -126,9 +126,7 @@ def run(args: argparse.Namespace) -> dict:
     max_slots = args.max_slots or len(prompts)
     config, target, mtp = load_checkpoint(args.checkpoint, args.dtype, device, max_slots=max_slots,
                                           max_seq_len=max_seq_len, progress=False, moe=moe)
-    limits = EngineLimits(max_slots=max_slots, max_seq_len=max_seq_len, vocab_size=config.vocab_size,
-                          max_draft_tokens=max(draft_counts), default_num_draft_tokens=0, eos_token_id=-1,
-                          max_queue_size=len(prompts), **default_limits(max_seq_len))
+    limits = in_process_limits(config.vocab_size, max_slots, max_seq_len, max(draft_counts), len(prompts))
     dtype, layers = target.lm_head.weight.dtype, config.num_nextn_predict_layers
     if args.compile:  # as the eager format loads its steps
         target, mtp = compile_step(target), compile_step(mtp)

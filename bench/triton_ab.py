@@ -23,6 +23,8 @@ from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 
+from triton_mtp.export.cli import at_least
+
 from .common import environment, held_out_prompts, write_result
 from .triton_bench import MODEL, STOP_GRACE_S, run_level
 
@@ -117,13 +119,6 @@ def mean_tokens_per_s(rounds: list[dict]) -> dict[str, dict[str, dict[str, float
             for model, by_k in first.items()}
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, help="checkpoint directory the repository was exported from")
     parser.add_argument("--repository", required=True, help="a repository holding `spec_decode` (export --hops local)")
@@ -133,8 +128,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server-log", help="where the embedded server writes its log")
     parser.add_argument("--draft-tokens", default="0", help="comma-separated num_draft_tokens, each measured (default 0)")
     parser.add_argument("--concurrency", default="1,32")
-    parser.add_argument("--requests-per-stream", type=_positive, default=8)
-    parser.add_argument("--rounds", type=_positive, default=2, help="every model at every level, this many times in turn")
+    parser.add_argument("--requests-per-stream", type=at_least(1), default=8)
+    parser.add_argument("--rounds", type=at_least(1), default=2, help="every model at every level, this many times in turn")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)

@@ -25,21 +25,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "torchscript on cpu)")
     parser.add_argument("--device", choices=DEVICES, default="cpu", help="device the models run on (default: cpu)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="weight dtype (default: fp32)")
-    parser.add_argument("--max-slots", type=_at_least(1), default=4, metavar="N",
+    parser.add_argument("--max-slots", type=at_least(1), default=4, metavar="N",
                         help="sequences served at once: KV pool slots (default: 4)")
-    parser.add_argument("--max-seq-len", type=_at_least(4), default=None, metavar="N",
+    parser.add_argument("--max-seq-len", type=at_least(4), default=None, metavar="N",
                         help="tokens per sequence, prompt included (default: the config's max_position_embeddings)")
-    parser.add_argument("--max-draft-tokens", type=_at_least(1), default=4, metavar="K",
+    parser.add_argument("--max-draft-tokens", type=at_least(1), default=4, metavar="K",
                         help="most draft tokens per step; the verify window is K + 1 (default: 4)")
-    parser.add_argument("--default-num-draft-tokens", type=_at_least(0), default=None, metavar="K",
+    parser.add_argument("--default-num-draft-tokens", type=at_least(0), default=None, metavar="K",
                         help="draft tokens when a request names none (default: the number of MTP layers, at most K)")
-    parser.add_argument("--max-queue-size", type=_at_least(1), default=64, metavar="N",
+    parser.add_argument("--max-queue-size", type=at_least(1), default=64, metavar="N",
                         help="requests waiting for a free slot before new ones are refused (default: 64)")
-    parser.add_argument("--max-prompt-bytes", type=_at_least(1), metavar="N",
+    parser.add_argument("--max-prompt-bytes", type=at_least(1), metavar="N",
                         help="text_input bytes refused before tokenizing (default: 16 x max_seq_len)")
-    parser.add_argument("--max-prompt-tokens", type=_at_least(1), metavar="N",
+    parser.add_argument("--max-prompt-tokens", type=at_least(1), metavar="N",
                         help="prompt tokens accepted (default: max_seq_len - 1)")
-    parser.add_argument("--max-output-tokens", type=_at_least(1), metavar="N",
+    parser.add_argument("--max-output-tokens", type=at_least(1), metavar="N",
                         help="largest max_tokens a request may ask for (default: max_seq_len - 1)")
     parser.add_argument("--request-timeout", type=float, metavar="SECONDS",
                         help="a request still queued or generating after this fails; 0 = none (default: 600)")
@@ -52,16 +52,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="eager format on cuda: run every target / mtp call from Python instead of replaying "
                         "captured decode graphs")
-    parser.add_argument("--response-threads", type=_at_least(0), default=0, metavar="N",
+    parser.add_argument("--response-threads", type=at_least(0), default=0, metavar="N",
                         help="spec_decode sends streamed responses from N threads while the next step runs; "
                         "0 sends them from the engine's step (default: 0)")
-    parser.add_argument("--response-lag-steps", type=_at_least(0), default=0, metavar="N",
+    parser.add_argument("--response-lag-steps", type=at_least(0), default=0, metavar="N",
                         help="with --response-threads: after each target call it reads (once a step), the engine "
                         "waits for the responses queued N + 1 calls before, so sending overlaps N + 1 steps (default: 0)")
-    parser.add_argument("--stream-interval", type=_at_least(1), default=1, metavar="N",
+    parser.add_argument("--stream-interval", type=at_least(1), default=1, metavar="N",
                         help="a streamed request gets a response once N of its tokens are unsent (its first at "
                         "once): fewer responses, each a round trip to the server, under load (default: 1, every step)")
-    parser.add_argument("--spec-disable-rows", type=_at_least(0), default=0, metavar="N",
+    parser.add_argument("--spec-disable-rows", type=at_least(0), default=0, metavar="N",
                         help="steps with more than N live sequences decode without drafts, where verifying drafts "
                         "costs more than it saves (default: 0, always draft)")
     parser.add_argument("--no-overlap", action="store_true",
@@ -71,11 +71,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="--hops local: prefill requests admitted while others decode in the decoding rows' call "
                         "instead of a call of their own (default: apart, so the decoding rows stay in their decode "
                         "graphs and chains)")
-    parser.add_argument("--switch-interval-us", type=_at_least(0), default=SWITCH_INTERVAL_US, metavar="US",
+    parser.add_argument("--switch-interval-us", type=at_least(0), default=SWITCH_INTERVAL_US, metavar="US",
                         help="Python's thread switch interval in spec_decode's process: how long the engine's thread "
                         "may wait for the GIL while the response threads and request parsing hold it; 0 keeps "
                         f"Python's 5 ms (default: {SWITCH_INTERVAL_US})")
-    parser.add_argument("--tensor-parallel", type=_at_least(1), default=1, metavar="N",
+    parser.add_argument("--tensor-parallel", type=at_least(1), default=1, metavar="N",
                         help="eager format: shard the target and MTP over N ranks, one per GPU (default: 1)")
     parser.add_argument("--hops", choices=HOPS, default="bls",
                         help="bls: spec_decode calls the target and mtp models (default); local: spec_decode runs "
@@ -113,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _at_least(low: int):
+def at_least(low: int):
+    """An argparse `type`: an integer of at least `low`."""
     def parse(text: str) -> int:
         try:
             value = int(text)

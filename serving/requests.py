@@ -276,6 +276,14 @@ def default_limits(max_seq_len: int) -> dict[str, int | float]:
     }
 
 
+def in_process_limits(vocab_size: int, max_slots: int, max_seq_len: int, max_draft_tokens: int, max_queue_size: int,
+                      default_num_draft_tokens: int = 0, eos_token_id: int = -1) -> EngineLimits:
+    """The limits of an engine run in process (benchmarks, acceptance runs): these sizes, `default_limits`."""
+    return EngineLimits(max_slots=max_slots, max_seq_len=max_seq_len, vocab_size=vocab_size,
+                        max_draft_tokens=max_draft_tokens, default_num_draft_tokens=default_num_draft_tokens,
+                        eos_token_id=eos_token_id, max_queue_size=max_queue_size, **default_limits(max_seq_len))
+
+
 def engine_limits(params: Mapping[str, str]) -> EngineLimits:
     """The `spec_decode` model's limits from its config.pbtxt parameters.
 

@@ -67,8 +67,13 @@ class ResponseThreads:
             raise
 
     def drain(self) -> None:
-        """Wait until everything queued before the last `lag_steps` drains (with 0: so far) has been sent. Each
-        drain queues a mark behind what is queued; a thread sets it once it reaches it."""
+        """Wait until everything queued before the last `lag_steps` drains (with 0: so far) has been sent. With a
+        lag, each drain queues a mark behind what is queued, which a thread sets once it reaches it; without,
+        the queues are joined (no mark to queue, no idle thread woken each step)."""
+        if not self._lag:
+            for q in self._queues:
+                q.join()
+            return
         marks = [threading.Event() for _ in self._queues]
         for q, mark in zip(self._queues, marks):
             q.put((mark.set, ()))

@@ -265,21 +265,19 @@ def test_chain_check_finds_the_chain_graph_agreeing(drafting_checkpoint, tmp_pat
 
 
 def test_triton_ab_serves_each_change_beside_the_export_in_one_server(tmp_path):
-    """bench/triton_ab.py: the server loads the export and one model per change; each model runs with its
-    parameters as changed and emits the export's greedy tokens (the same weights)."""
-    from triton_mtp.export.repository import write_repository
-
+    """gpu_bench's triton_local_ab stage (bench/triton_ab.py): the server loads the export and one model per change;
+    each model runs with its parameters as changed and emits the export's greedy tokens (the same weights)."""
     checkpoint = perfect_drafter_checkpoint(tmp_path / "checkpoint")
-    repository = tmp_path / "repository"
-    write_repository(checkpoint, repository, max_slots=4, max_draft_tokens=2, hops="local", response_threads=1,
-                     progress=False, log=lambda line: None)
-    out = tmp_path / "ab.json"
-    done = run_module("bench.triton_ab", "--checkpoint", str(checkpoint), "--repository", str(repository),
-                      "--change", "response_lag_steps=1", "--change", "stream_interval=3,spec_disable_rows=1",
-                      "--draft-tokens", "0,2", "--concurrency", "1,2", "--rounds", "2", "--prompts", "2",
-                      "--prompt-tokens", "16", "--max-tokens", "12", "--requests-per-stream", "1", "--out", str(out))
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    result = json.loads(out.read_text())
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "BENCH_SMOKE": "1", "BENCH_ONLY": "export_local triton_local_ab",
+           "BENCH_AB": "response_lag_steps=1 stream_interval=3,spec_disable_rows=1", "BENCH_AB_ROUNDS": "2",
+           "BENCH_AB_REQUESTS_PER_STREAM": "1", "BENCH_RESPONSE_THREADS": "1"}
+    env.pop("BENCH_REPOSITORY", None)
+    done = subprocess.run(["bash", "bench/gpu_bench.sh", str(checkpoint)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    log = (out / "bench.log").read_text() if (out / "bench.log").exists() else done.stdout + done.stderr
+    assert done.returncode == 0 and (out / "ab.json").is_file(), log[-3000:]
+    result = json.loads((out / "ab.json").read_text())
     assert result["models"] == {"spec_decode": "", "spec_decode_ab0": "response_lag_steps=1",
                                 "spec_decode_ab1": "stream_interval=3,spec_disable_rows=1"}
     served = result["parameters"]
@@ -288,12 +286,12 @@ def test_triton_ab_serves_each_change_beside_the_export_in_one_server(tmp_path):
         [("1", "0"), ("1", "0"), ("3", "1")]
     assert len(result["rounds"]) == 2
     for measured in result["rounds"]:
-        for k in ("0", "2"):
+        for k in ("0", "2"):  # plain, and the smoke export's largest k
             export = measured["spec_decode"][k]["1"]["outputs"]
-            assert len(export) == 2 and all(len(ids) == 12 for ids in export)
+            assert len(export) == 2 and all(len(ids) == 16 for ids in export)
             for model in result["models"]:
                 assert set(measured[model][k]) == {"1", "2"}
-                assert measured[model][k]["2"]["output_tokens"] == 2 * 12  # a request per stream
+                assert measured[model][k]["2"]["output_tokens"] == 2 * 16  # a request per stream
                 assert measured[model][k]["1"]["outputs"] == export, (model, k)
         assert measured["spec_decode_ab0"]["2"]["1"]["acceptance_per_position"][0] == 1.0  # it drafts, perfectly
         assert measured["spec_decode"]["2"]["2"]["steps"] > 0

@@ -15,7 +15,7 @@ from triton_mtp.serving.graphs import (
     EagerReplay, GraphedChain, GraphedDraftChain, GraphedMTP, GraphedTarget, batch_buckets, chain_graphs,
     compile_graphs, draft_chain_graphs, graphs_wanted, mtp_graphs, target_graphs, with_decode_graphs,
 )
-from triton_mtp.serving.requests import EngineLimits, GenerationRequest, default_limits
+from triton_mtp.serving.requests import GenerationRequest, in_process_limits
 from triton_mtp.serving.scheduler import FinalResponse, Scheduler
 from triton_mtp.serving.workers import (
     DraftWorker, InProcessHops, TargetWorker, draft_chain, split_window_results, verify_window,
@@ -224,9 +224,7 @@ def test_the_engine_over_graphed_workers_emits_what_it_emits_eager(drafting_chec
         if mode == "chain graphed":
             chained = chain_graphs(window, mtp, mtp_step, graph=_CountedBufferedReplay)
         hops = InProcessHops(TargetWorker(window, slots), DraftWorker(mtp_step, layers, slots, greedy=greedy), chained)
-        limits = EngineLimits(max_slots=slots, max_seq_len=MAX_SEQ_LEN, vocab_size=config.vocab_size,
-                              max_draft_tokens=max_draft, default_num_draft_tokens=0, eos_token_id=-1,
-                              max_queue_size=8, **default_limits(MAX_SEQ_LEN))
+        limits = in_process_limits(config.vocab_size, slots, MAX_SEQ_LEN, max_draft, max_queue_size=8)
         engine = Scheduler(hops, limits, spec_disable_rows=spec_disable_rows)
         hops.mtp = _RecordedDrafts(hops.mtp)
         handles = [FinalResponse() for _ in range(6)]

@@ -19,7 +19,7 @@ import torch
 
 from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.serving.requests import (
-    EngineLimits, GenerationRequest, TokenizerFile, default_limits,
+    GenerationRequest, TokenizerFile, in_process_limits,
 )
 from triton_mtp.serving.scheduler import FinalResponse, Scheduler
 from triton_mtp.serving.workers import DraftWorker, InProcessHops, TargetWorker, verify_window
@@ -85,9 +85,8 @@ def evaluate(checkpoint: Path, prompts: list[list[int]], max_tokens: int, num_dr
     if mtp is None:
         raise ValueError(f"{checkpoint}: the checkpoint has no MTP layers")
     eos = config.eos_token_id if isinstance(config.eos_token_id, int) else -1
-    limits = EngineLimits(max_slots=len(prompts), max_seq_len=max_seq_len, vocab_size=config.vocab_size,
-                          max_draft_tokens=num_draft_tokens, default_num_draft_tokens=num_draft_tokens,
-                          eos_token_id=eos, max_queue_size=len(prompts), **default_limits(max_seq_len))
+    limits = in_process_limits(config.vocab_size, len(prompts), max_seq_len, num_draft_tokens, len(prompts),
+                               default_num_draft_tokens=num_draft_tokens, eos_token_id=eos)
     hops = InProcessHops(TargetWorker(verify_window(target), len(prompts)),
                          DraftWorker(mtp, config.num_nextn_predict_layers, len(prompts)))
     engine = Scheduler(hops, limits)
