@@ -65,6 +65,7 @@ def write_repository(
     eager_compile: bool = True,
     cuda_graphs: bool = True,
     compile_graphs: bool = False,
+    prefill_graph_tokens: int = 0,
     response_threads: int = 0,
     response_lag_steps: int = 0,
     stream_interval: int = 1,
@@ -85,7 +86,8 @@ def write_repository(
     layers, capped by it. `request_limits` overrides `serving.requests.default_limits` (prompt bytes and
     tokens, max_tokens cap, request timeout). `cuda_graphs` lets the `target` and `mtp` models on CUDA
     replay decode-time calls from captured graphs (serving/graphs.py), captured over torch.compile'd steps
-    with `compile_graphs`. `response_threads` > 0 makes `spec_decode` send streamed responses from that
+    with `compile_graphs`, and prompt calls of up to `prefill_graph_tokens` tokens too (0: prompts run
+    eager). `response_threads` > 0 makes `spec_decode` send streamed responses from that
     many threads (serving/responses.py), the engine waiting after each target call it reads for the
     responses queued `response_lag_steps` + 1 calls before; `stream_interval`, `spec_disable_rows`, `overlap` and
     `separate_prefill` are the scheduler's (serving/scheduler.py). `switch_interval_us` > 0 sets the
@@ -107,6 +109,8 @@ def write_repository(
         raise ValueError(f"hops: must be one of {', '.join(HOPS)}, got {hops!r}")
     if spec_disable_rows < 0:
         raise ValueError(f"spec_disable_rows: must be >= 0, got {spec_disable_rows}")
+    if prefill_graph_tokens < 0:
+        raise ValueError(f"prefill_graph_tokens: must be >= 0, got {prefill_graph_tokens}")
     if switch_interval_us < 0:
         raise ValueError(f"switch_interval_us: must be >= 0, got {switch_interval_us}")
     if hops == "local" and tensor_parallel > 1:
@@ -167,6 +171,7 @@ def write_repository(
         "tensor_parallel_size": tensor_parallel,
         "cuda_graphs": "true" if cuda_graphs else "false",
         "compile_graphs": "true" if compile_graphs else "false",
+        "prefill_graph_tokens": prefill_graph_tokens,
         "response_threads": response_threads,
         "response_lag_steps": response_lag_steps,
         "stream_interval": stream_interval,

@@ -173,7 +173,7 @@ class _GraphedStep:
                 pool = torch.cuda.graph_pool_handle()
             self.pool = pool  # another wrapper of the same worker may capture into it
             for key in keys:
-                for b in reversed(self.buckets):  # largest first: later captures reuse the pool's blocks
+                for b in reversed(self._buckets(key)):  # largest first: later captures reuse the pool's blocks
                     self.graphs[key, b] = graph(self._bound(key), self._example(b, key), pool=pool)
 
     def on_device(self) -> contextlib.AbstractContextManager:
@@ -184,9 +184,17 @@ class _GraphedStep:
     def _bound(self, key: int | None) -> Step:
         raise NotImplementedError
 
+    def _buckets(self, key: int | None) -> list[int]:
+        """The batch buckets of family `key`."""
+        return self.buckets
+
     def widths(self) -> list[int]:
         """The token widths its graphs take."""
         return sorted({self._width(key) for key, _ in self.graphs})
+
+    def captured(self) -> str:
+        """What the graphs cover, for the load log."""
+        return f"batch sizes {self.buckets} x {' and '.join(str(w) for w in self.widths())} tokens"
 
     def _width(self, key: int | None) -> int:
         """Tokens of the graphs of family `key`."""
@@ -236,13 +244,13 @@ class _GraphedStep:
         B, T = token_ids.shape
         return 0 < B <= self.buckets[-1] and T <= self.width
 
-    def bucket(self, B: int) -> int:
-        """The batch size a call of B rows is padded to: the smallest bucket >= B."""
-        return next(size for size in self.buckets if size >= B)
+    def bucket(self, B: int, key: int | None = None) -> int:
+        """The batch size a call of B rows of family `key` is padded to: the smallest bucket >= B."""
+        return next(size for size in self._buckets(key) if size >= B)
 
     def _graph(self, key: int | None, B: int) -> _StaticReplay:
         """The graph of family `key` that a call of B rows replays."""
-        return self.graphs[key, self.bucket(B)]
+        return self.graphs[key, self.bucket(B, key)]
 
     def _replay(self, key: int | None, given: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Pad to the smallest bucket >= B and the family's width and replay: the graph's own output
@@ -330,43 +338,84 @@ def mtp_width(max_draft_tokens: int, num_layers: int) -> int:
     return max_draft_tokens + num_layers
 
 
+def prefill_widths(width: int, prefill_tokens: int) -> list[int]:
+    """The token widths of `target`'s prompt families: powers of two from 16, wider than the verify window,
+    up to `prefill_tokens`."""
+    return [w for w in (1 << i for i in range(4, max(prefill_tokens, 1).bit_length())) if width < w <= prefill_tokens]
+
+
 class GraphedTarget(_GraphedStep):
     """A `workers.verify_window` step with graphs for B <= max_batch rows of one token or of T <= width
-    tokens; the family key is its width.
+    tokens, and, with `prefill_tokens`, for prompts: calls of B rows of T <= P tokens (P a power of two
+    `prefill_widths` gives) where B·P <= prefill_tokens. The family key is its width.
 
     A graph holds the target call and greedy verification (window width - 1 drafts, wider than a call's
     K is harmless: `verify_window`), so a greedy decode step launches one graph. The outputs are the
-    graph's buffers (the first B rows, K + 1 columns): read them before the next call.
+    graph's buffers (the first B rows, K + 1 columns): read them before the next call. A prompt's graph
+    replaces a compiled step run from Python, hundreds of kernel launches each holding the GIL a while
+    (docs/benchmarks.md, run 29: 9% of the engine thread's time at 32 streams), and shortens the time to
+    first token; its padding runs through the model like any other token.
     """
 
     inputs = (TOKEN_IDS, POSITIONS, SLOT_IDS, NUM_DRAFT)
 
     def __init__(self, window: Step, max_batch: int, width: int, device: torch.device,
-                 graph: Callable[..., Step] = CapturedStep) -> None:
-        super().__init__(window, max_batch, width, device, sorted({1, width}, reverse=True), None, graph)  # widest first
+                 graph: Callable[..., Step] = CapturedStep, prefill_tokens: int = 0) -> None:
+        if prefill_tokens < 0:
+            raise ValueError(f"prefill_graph_tokens: must be >= 0, got {prefill_tokens}")
+        self.prefill_tokens = prefill_tokens
+        self.prefill = prefill_widths(width, prefill_tokens)
+        super().__init__(window, max_batch, width, device, sorted({1, width, *self.prefill}, reverse=True), None,
+                         graph)  # widest first
+
+    def _buckets(self, key: int | None) -> list[int]:
+        if key is None or key <= self.width:
+            return self.buckets
+        return [b for b in self.buckets if b * key <= self.prefill_tokens]
+
+    def family(self, B: int, T: int) -> int | None:
+        """The family that a call of B rows of T tokens replays, None for none (it runs eager)."""
+        if T <= self.width:
+            return (1 if T == 1 else self.width) if 0 < B <= self.buckets[-1] else None
+        return next((w for w in self.prefill if T <= w and B * w <= self.prefill_tokens), None)
+
+    def widths(self) -> list[int]:
+        return sorted({1, self.width})
 
     def _width(self, key: int | None) -> int:
         return key
 
+    def _drafts(self, key: int) -> int:
+        """The drafts K a family verifies: none for one token, the window's for the others."""
+        return min(key, self.width) - 1
+
     def _bound(self, key: int | None) -> Step:
-        return lambda token_ids, positions, slot_ids, num_draft: self.step(token_ids, positions, slot_ids, num_draft,
-                                                                           key - 1)
+        K = self._drafts(key)
+        return lambda token_ids, positions, slot_ids, num_draft: self.step(token_ids, positions, slot_ids, num_draft, K)
 
     def _checked(self, key: int | None, inputs: list[torch.Tensor]) -> None:
-        inputs[-1].fill_(key - 1)  # every row "verifies" a full window of drafts
+        inputs[-1].fill_(self._drafts(key))  # every row "verifies" a full window of drafts
 
     def name(self, key: int | None = None) -> str:
+        if key is not None and key > self.width:
+            return f"the {key}-token prompt target"
         return "target" if key is None else f"the {key}-token target"
+
+    def captured(self) -> str:
+        """What the graphs cover, for the load log."""
+        prompts = f"; prompts of up to {self.prefill[-1]} tokens, {self.prefill_tokens} a call" if self.prefill else ""
+        return super().captured() + prompts
 
     def place(self, token_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
               num_draft: torch.Tensor) -> list[torch.Tensor]:
         """A call's inputs (host or device tensors) on the device: written into the static inputs of the graph
         the call replays, which it then copies nothing into (pass the tensors returned), or moved
         (`transfers.to_device`) for a call that runs eager. Valid until the next call."""
-        if not self._fits(token_ids):
-            return to_device([token_ids, positions, slot_ids, num_draft], self.device)
         B, T = token_ids.shape
-        graph = self._graph(1 if T == 1 else self.width, B)
+        key = self.family(B, T)
+        if key is None:
+            return to_device([token_ids, positions, slot_ids, num_draft], self.device)
+        graph = self._graph(key, B)
         given = (token_ids, positions, slot_ids, num_draft)
         self._write(graph, given)
         self._placed = [_leading(static, B, T if spec.per_token else None)
@@ -377,11 +426,12 @@ class GraphedTarget(_GraphedStep):
                  num_draft: torch.Tensor, K: int, greedy: bool = True) -> tuple[torch.Tensor, ...]:
         """As `verify_window`'s step; a replay computes the greedy verification whatever `greedy` says, and its
         `window_results` are as wide as the graph's window (results past K + 1 are padding: ids -1)."""
-        if not self._fits(token_ids):
-            return self.step(*to_device([token_ids, positions, slot_ids, num_draft], self.device), K, greedy)
         B, T = token_ids.shape
+        key = self.family(B, T)
+        if key is None:
+            return self.step(*to_device([token_ids, positions, slot_ids, num_draft], self.device), K, greedy)
         window_logits, draft_ids, num_accepted, output_ids, logprobs, hidden, results = self._replay(
-            1 if T == 1 else self.width, (token_ids, positions, slot_ids, num_draft))
+            key, (token_ids, positions, slot_ids, num_draft))
         return (_leading(window_logits, B, K + 1), _leading(draft_ids, B, K), _leading(num_accepted, B),
                 _leading(output_ids, B, K + 1), _leading(logprobs, B, K + 1), _leading(hidden, B, T),
                 _leading(results, B))
@@ -478,7 +528,7 @@ class GraphedChain:
 
     def covers(self, token_ids: torch.Tensor, K: int) -> bool:
         """Whether a chained call of `token_ids` [B, T] (K drafts) replayed a window graph of `target`."""
-        return self.target._fits(token_ids) and token_ids.shape[1] > 1 and 1 <= K < self.target.width
+        return self.target.family(*token_ids.shape) == self.target.width > 1 and 1 <= K < self.target.width
 
     def __call__(self, B: int, K: int) -> tuple[torch.Tensor, ...]:
         """After the verify of B rows: draft_ids [B, K], the next window's ids and positions [B, K+1] and the
@@ -503,15 +553,15 @@ class GraphedChain:
     def name(self) -> str:
         return "the chained drafting"
 
-    def widths(self) -> list[int]:
-        return [self.target.width]
+    def captured(self) -> str:
+        return f"batch sizes {self.buckets} x {self.target.width} tokens"
 
 
 def target_graphs(runner: Step, max_batch: int, max_draft: int, device: torch.device,
-                  graph: Callable[..., Step] = CapturedStep) -> GraphedTarget:
+                  graph: Callable[..., Step] = CapturedStep, prefill_tokens: int = 0) -> GraphedTarget:
     """The served target's decode graphs: `workers.verify_window` over `runner`, up to the verify window
-    of `max_draft` drafts."""
-    return GraphedTarget(verify_window(runner), max_batch, target_width(max_draft), device, graph)
+    of `max_draft` drafts, and prompt calls of up to `prefill_tokens` tokens."""
+    return GraphedTarget(verify_window(runner), max_batch, target_width(max_draft), device, graph, prefill_tokens)
 
 
 def mtp_graphs(runner: Step, num_layers: int, max_batch: int, max_draft: int, hidden_size: int,
@@ -547,8 +597,7 @@ def with_decode_graphs(build: Callable[[], _GraphedStep], step: Step, log: Calla
     except Exception as exc:  # noqa: BLE001 - eager is always a correct fallback
         log(f"CUDA graphs off, running eager: {type(exc).__name__}: {exc}")
         return step
-    widths = " and ".join(str(w) for w in graphed.widths())
-    log(f"CUDA graphs of {graphed.name()} captured for batch sizes {graphed.buckets} x {widths} tokens")
+    log(f"CUDA graphs of {graphed.name()} captured for {graphed.captured()}")
     return graphed
 
 

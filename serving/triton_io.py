@@ -207,7 +207,8 @@ def target_worker(directory: Path, params: dict[str, str], device: torch.device,
     """(runner, worker) of the target artifacts in `directory`, as the `target` model serves them."""
 
     def graphed(runner):
-        return graphs.target_graphs(runner, max_slots, int_parameter(params, "max_draft_tokens", 1), device)
+        return graphs.target_graphs(runner, max_slots, int_parameter(params, "max_draft_tokens", 1), device,
+                                    prefill_tokens=int_parameter(params, "prefill_graph_tokens", 0, default=0))
 
     runner, window = load_model_step(directory, params, device, graphed, verify_window)
     return runner, TargetWorker(window, max_slots, device)

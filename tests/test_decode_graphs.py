@@ -13,7 +13,7 @@ from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.export.graphs import export_graphs, load_step
 from triton_mtp.serving.graphs import (
     EagerReplay, GraphedChain, GraphedDraftChain, GraphedMTP, GraphedTarget, batch_buckets, chain_graphs,
-    compile_graphs, draft_chain_graphs, graphs_wanted, mtp_graphs, target_graphs, with_decode_graphs,
+    compile_graphs, draft_chain_graphs, graphs_wanted, mtp_graphs, prefill_widths, target_graphs, with_decode_graphs,
 )
 from triton_mtp.serving.requests import GenerationRequest, in_process_limits
 from triton_mtp.serving.scheduler import FinalResponse, Scheduler
@@ -57,37 +57,76 @@ class _CountedReplay(EagerReplay):
         return super().replay()
 
 
-def test_graphed_target_equals_the_window_step_through_prefill_decode_and_rollback(twins):
-    """One-token calls (plain decoding) replay the one-token family, wider ones the window's."""
-    (config, plain, _), (_, wrapped, _) = twins
-    graphed = GraphedTarget(verify_window(wrapped), MAX_SLOTS, WIDTH, torch.device("cpu"), graph=_CountedReplay)
-    assert sorted(graphed.graphs) == [(w, b) for w in (1, WIDTH) for b in (1, 2, 4, 6)]
+def _assert_calls_match(graphed: GraphedTarget, plain, wrapped, calls: list[list[tuple]], vocab: int) -> None:
+    """Each call's outputs through `graphed` (over `wrapped`) equal `verify_window(plain)`'s, and so do the KV
+    caches after them."""
     gen = torch.Generator().manual_seed(0)
-    calls = [
-        [(0, 0, 9, 0), (3, 0, 5, 0)],  # prefill: wider than the window, eager
-        [(0, 9, 1, 0), (3, 5, 4, 3)],  # decode + verify window: bucket 2
-        [(0, 10, 4, 3), (3, 7, 2, 1), (5, 0, 3, 0)],  # 3 rows padded to bucket 4; slot 3 rolls back to 7
-        [(1, 0, 2, 1)],  # bucket 1
-        [(s, 12, 1, 0) for s in range(MAX_SLOTS)],  # every slot: the largest bucket, plain decoding
-        [(2, 13, 1, 0), (4, 13, 1, 0), (5, 13, 1, 0)],  # plain decoding padded to bucket 4
-    ]
     for rows in calls:
-        inputs = _window(rows, config.vocab_size, gen)
+        inputs = _window(rows, vocab, gen)
         K = int(inputs[3].max())
         *expected, expected_results = verify_window(plain)(*inputs, K)
         *got, results = graphed(*inputs, K)
-        for e, g in zip(expected, got):
+        for n, (e, g) in enumerate(zip(expected, got)):
             assert g.shape == e.shape
-            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+            if n < 2:  # window_logits, draft_ids: a row's columns past its own drafts are padding
+                for b, k in enumerate(inputs[3].tolist()):
+                    torch.testing.assert_close(g[b, : k + 1 - n], e[b, : k + 1 - n], rtol=1e-5, atol=1e-5)
+            else:
+                torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
         # the results tensor is as wide as the graph's window (padding past K + 1), the same results in it
         for e, g in zip(split_window_results(expected_results.numpy(), K + 1).values(),
                         split_window_results(results.numpy(), K + 1).values()):
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
     live = plain.kv_cache[:, :, :-1]  # the scratch position differs: padding writes it
     torch.testing.assert_close(wrapped.kv_cache[:, :, :-1], live, rtol=0, atol=1e-5)
+
+
+def test_graphed_target_equals_the_window_step_through_prefill_decode_and_rollback(twins):
+    """One-token calls (plain decoding) replay the one-token family, wider ones the window's."""
+    (config, plain, _), (_, wrapped, _) = twins
+    graphed = GraphedTarget(verify_window(wrapped), MAX_SLOTS, WIDTH, torch.device("cpu"), graph=_CountedReplay)
+    assert sorted(graphed.graphs) == [(w, b) for w in (1, WIDTH) for b in (1, 2, 4, 6)]
+    _assert_calls_match(graphed, plain, wrapped, [
+        [(0, 0, 9, 0), (3, 0, 5, 0)],  # prefill: wider than the window, eager
+        [(0, 9, 1, 0), (3, 5, 4, 3)],  # decode + verify window: bucket 2
+        [(0, 10, 4, 3), (3, 7, 2, 1), (5, 0, 3, 0)],  # 3 rows padded to bucket 4; slot 3 rolls back to 7
+        [(1, 0, 2, 1)],  # bucket 1
+        [(s, 12, 1, 0) for s in range(MAX_SLOTS)],  # every slot: the largest bucket, plain decoding
+        [(2, 13, 1, 0), (4, 13, 1, 0), (5, 13, 1, 0)],  # plain decoding padded to bucket 4
+    ], config.vocab_size)
     replays = {key: getattr(g, "replays", 0) for key, g in graphed.graphs.items()}
     assert replays == {**{key: 0 for key in graphed.graphs}, (WIDTH, 2): 1, (WIDTH, 4): 1, (WIDTH, 1): 1,
                        (1, 6): 1, (1, 4): 1}
+
+
+def test_prompt_widths_are_powers_of_two_from_16_past_the_window_within_the_budget():
+    assert prefill_widths(5, 256) == [16, 32, 64, 128, 256]
+    assert prefill_widths(5, 100) == [16, 32, 64]
+    assert prefill_widths(20, 64) == [32, 64]
+    assert prefill_widths(5, 15) == prefill_widths(5, 0) == []
+
+
+def test_prompt_calls_replay_the_prompt_families_that_fit_their_token_budget(twins):
+    """With `prefill_tokens`, a prompt call of B rows of T tokens replays the narrowest family of width P >= T
+    whose B-row bucket keeps B·P within the budget; wider or larger calls run eager."""
+    (config, plain, _), (_, wrapped, _) = twins
+    graphed = GraphedTarget(verify_window(wrapped), MAX_SLOTS, WIDTH, torch.device("cpu"), graph=_CountedReplay,
+                            prefill_tokens=40)
+    assert sorted(key for key in graphed.graphs if key[0] > WIDTH) == [(16, 1), (16, 2), (32, 1)]
+    _assert_calls_match(graphed, plain, wrapped, [
+        [(0, 0, 9, 0), (3, 0, 5, 0)],  # two prompts of <= 16 tokens: (16, 2)
+        [(1, 0, 20, 0)],  # one of 20 tokens: (32, 1)
+        [(2, 0, 9, 0), (4, 0, 3, 0), (5, 0, 7, 0)],  # three: 3 x 16 > 40 tokens, eager
+        [(0, 9, 1, 0), (3, 5, 4, 3)],  # decoding: the window's family
+        [(1, 20, 3, 2), (5, 0, 12, 0)],  # a prompt beside a verify window (prompts not apart): (16, 2), K = 2
+        [(4, 3, 40, 0)],  # wider than every family: eager
+    ], config.vocab_size)
+    replays = {key: g.replays for key, g in graphed.graphs.items() if hasattr(g, "replays")}
+    assert replays == {(16, 2): 2, (32, 1): 1, (WIDTH, 2): 1}
+    lines = []
+    with_decode_graphs(lambda: graphed, None, lines.append)
+    assert lines == ["CUDA graphs of target captured for batch sizes [1, 2, 4, 6] x 1 and 4 tokens; "
+                     "prompts of up to 32 tokens, 40 a call"]
 
 
 def test_graphed_draft_chain_equals_the_chain_for_every_draft_count(twins):
