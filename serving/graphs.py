@@ -81,6 +81,13 @@ class _StaticReplay:
     def replay(self) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
+    def span(self, start: int, end: int) -> torch.Tensor:
+        """packed[start:end], made once (a slice is a torch call, which lets go of the GIL: transfers.py)."""
+        spans = self.__dict__.setdefault("_span_views", {})
+        if (start, end) not in spans:
+            spans[start, end] = self.packed[start:end]
+        return spans[start, end]
+
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         for static, given in zip(self.inputs, inputs):
             static.copy_(given)
@@ -313,11 +320,11 @@ class _GraphedStep:
         """An int64 numpy array whose values end up in graph.packed[start:end]: that memory itself on the host,
         else a pinned buffer copied there once written (the stream orders the copy before the replay)."""
         if self.device.type != "cuda":
-            yield graph.packed[start:end].numpy()
+            yield graph.packed.numpy()[start:end]
             return
-        with TO_DEVICE.take(8 * (end - start), torch.cuda.current_stream(self.device)) as (pinned, array):
-            yield array.view(np.int64)
-            graph.packed[start:end].copy_(pinned.view(torch.int64), non_blocking=True)
+        with TO_DEVICE.take(8 * (end - start), torch.cuda.current_stream(self.device)) as slot:
+            yield slot.array[: 8 * (end - start)].view(np.int64)
+            graph.span(start, end).copy_(slot.view(torch.int64, (end - start,)), non_blocking=True)
 
 
 def _leading(buffer: torch.Tensor, rows: int, columns: int | None = None) -> torch.Tensor:

@@ -515,13 +515,12 @@ class Scheduler:
         """Launch the next step's call first when it can go ahead, then read `call`'s results and accept them
         for its rows still live."""
         self._ahead = self._go_ahead(call)
-        result = self._timed("target", call.pending.result)
+        result = self._timed("target", call.pending.read)
         if self._drain_responses is not None:  # the previous step's responses went out during the hops
             self._timed("respond", self._drain_responses)
-        num_accepted, output_ids, logprobs = (result.num_accepted.tolist(), result.output_ids.tolist(),
-                                              result.logprobs.tolist())  # [B], [B][K+1], [B][K+1]
+        num_accepted, output_ids, logprobs = result.num_accepted, result.output_ids, result.logprobs  # [B], [B][K+1] x2
         self._last_hidden = hop = _StepHidden(result.hidden)  # [B, T, H]
-        next_drafts = result.draft_ids.tolist() if call.chained else None  # [B][K']: the next window's drafts
+        next_drafts = result.draft_ids if call.chained else None  # [B][K']: the next window's drafts
         live = set(self._live)
         for b, s in enumerate(call.rows):
             if s not in live:  # finished or failed while the call ran

@@ -9,6 +9,7 @@ with numpy (no torch call per tensor), and copied once, through page-locked memo
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Iterator
 
@@ -16,32 +17,91 @@ import numpy as np
 import torch
 
 
+class StreamOrder:
+    """Which copies between host and GPU the host knows have run, without an event each.
+
+    Every copy through a `PinnedRing` takes a ticket, in the order the copies are enqueued (from one thread),
+    and so does every event the host later waits on (`PendingHost`). Once the host has waited on an event,
+    every copy on its stream with a smaller ticket has run: its pinned buffer can be handed out again. An
+    event of its own per copy would cost two torch calls more per copy, and each torch call lets go of the
+    GIL, which at 32 streams the response threads then hold (`PinnedRing`)."""
+
+    def __init__(self) -> None:
+        self._issued = 0
+        self._seen: dict[int, int] = {}  # per stream (its handle): the largest ticket known to have run
+
+    def ticket(self) -> int:
+        self._issued += 1
+        return self._issued
+
+    def ran(self, stream: torch.cuda.Stream, ticket: int) -> None:
+        """The host has seen `stream` run the work enqueued before `ticket` was taken (it waited on an event)."""
+        key = stream.cuda_stream
+        if ticket > self._seen.get(key, 0):
+            self._seen[key] = ticket
+
+    def has_run(self, stream: torch.cuda.Stream, ticket: int) -> bool:
+        return ticket <= self._seen.get(stream.cuda_stream, 0)
+
+    def wait(self, stream: torch.cuda.Stream, ticket: int) -> None:
+        """Until the copy that took `ticket` on `stream` has run (where the host has not seen it yet: the stream's
+        work so far)."""
+        if not self.has_run(stream, ticket):
+            stream.synchronize()
+            self.ran(stream, self._issued)
+
+
+STREAM_ORDER = StreamOrder()
+
+
+class PinnedSlot:
+    """One page-locked buffer of a `PinnedRing`, as a uint8 tensor and as a numpy array of the same memory, with
+    typed views of its first bytes made once each (a view is a torch call)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.array = self.tensor.numpy()
+        self._views: dict[tuple[torch.dtype, tuple[int, ...]], torch.Tensor] = {}
+        self.used: tuple[torch.cuda.Stream, int] | None = None  # the stream and ticket of the copy that last used it
+
+    MAX_VIEWS = 256  # a decode loop uses a few shapes; prompts of every length would make views without end
+
+    def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """Its first bytes as a tensor of `dtype` and `shape`."""
+        key = (dtype, tuple(shape))
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= self.MAX_VIEWS:
+                self._views.clear()
+            nbytes = math.prod(shape) * dtype.itemsize
+            view = self._views[key] = self.tensor[:nbytes].view(dtype).view(shape)
+        return view
+
+
 class PinnedRing:
     """Page-locked host buffers that packed copies between host and GPU take in turn, so that a copy does
     not allocate page-locked memory (about 0.17 ms a call on the H200 host). A buffer is handed out again
-    only once the copy that last used it has run (its event); a copy to the host is read (`PendingTarget`)
-    long before its buffer comes round again."""
+    only once the copy that last used it has run (`StreamOrder`: in a decode loop the host has waited on a
+    later call's result by then); a copy to the host is read (`PendingTarget`) long before its buffer comes
+    round again."""
 
     def __init__(self, size: int = 4) -> None:
-        self._buffers: list[tuple[torch.Tensor, np.ndarray] | None] = [None] * size
-        self._events: list[torch.cuda.Event | None] = [None] * size
+        self._slots: list[PinnedSlot | None] = [None] * size
         self._next = 0
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
-    def take(self, nbytes: int, stream: torch.cuda.Stream) -> Iterator[tuple[torch.Tensor, np.ndarray]]:
-        """A pinned [nbytes] uint8 buffer, as a tensor and as a numpy array of the same memory, for a copy that
-        the caller enqueues on `stream` inside the block."""
+    def take(self, nbytes: int, stream: torch.cuda.Stream) -> Iterator[PinnedSlot]:
+        """A slot of at least `nbytes` for a copy that the caller enqueues on `stream` inside the block."""
         with self._lock:
-            i, self._next = self._next, (self._next + 1) % len(self._buffers)
-            if self._events[i] is not None:
-                self._events[i].synchronize()
-            if self._buffers[i] is None or self._buffers[i][1].size < nbytes:
-                buffer = torch.empty(max(nbytes, 4096), dtype=torch.uint8, pin_memory=True)
-                self._buffers[i] = buffer, buffer.numpy()
-            buffer, array = self._buffers[i]
-            yield buffer[:nbytes], array[:nbytes]
-            self._events[i] = stream.record_event()
+            i, self._next = self._next, (self._next + 1) % len(self._slots)
+            slot = self._slots[i]
+            if slot is not None and slot.used is not None:
+                STREAM_ORDER.wait(*slot.used)
+            if slot is None or slot.array.size < nbytes:
+                slot = self._slots[i] = PinnedSlot(max(nbytes, 4096))
+            yield slot
+            slot.used = stream, STREAM_ORDER.ticket()
 
 
 TO_DEVICE, TO_HOST = PinnedRing(), PinnedRing()
@@ -86,15 +146,15 @@ class Packing:
         return [buffer[offset: offset + size].view(dtype).view(shape)
                 for (dtype, shape), offset, size in zip(self.metas, self.offsets, self.sizes)]
 
-    def host_views(self, array: np.ndarray) -> list[torch.Tensor]:
-        """The tensors as host tensors over `array` (their packed bytes, on the host; not copied), viewed
-        through numpy where it has their dtypes."""
+    def host_views(self, array: np.ndarray) -> list[np.ndarray | torch.Tensor]:
+        """The tensors over `array` (their packed bytes, on the host; not copied): numpy arrays where numpy has
+        their dtypes (no torch call), else host tensors."""
         views = []
         for (dtype, shape), offset, size in zip(self.metas, self.offsets, self.sizes):
             if _NUMPY.get(dtype) is None:
                 views.append(torch.from_numpy(array[offset: offset + size]).view(dtype).view(shape))
             else:
-                views.append(torch.from_numpy(array[offset: offset + size].view(_NUMPY[dtype]).reshape(shape)))
+                views.append(array[offset: offset + size].view(_NUMPY[dtype]).reshape(shape))
         return views
 
 
@@ -108,8 +168,9 @@ def packed_copy(tensors: list[torch.Tensor], device: torch.device) -> list[torch
     packing = Packing(tensors)
     source = tensors[0].device
     if source.type == "cpu" and device.type == "cuda":
-        with TO_DEVICE.take(packing.nbytes, torch.cuda.current_stream(device)) as (staging, array):
-            moved = packing.pack(tensors, staging, array).to(device, non_blocking=True)
+        with TO_DEVICE.take(packing.nbytes, torch.cuda.current_stream(device)) as slot:
+            staging = slot.view(torch.uint8, (packing.nbytes,))
+            moved = packing.pack(tensors, staging, slot.array[: packing.nbytes]).to(device, non_blocking=True)
     elif source.type == "cpu":
         array = np.empty(packing.nbytes, dtype=np.uint8)
         moved = packing.pack(tensors, torch.from_numpy(array), array).to(device)
@@ -134,29 +195,35 @@ def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.T
 
 class PendingHost:
     """`tensors` (on one device) on their way to the host with one transfer, asynchronous from a GPU: packed
-    on their device (a single contiguous tensor needs no packing) and copied into a buffer of the pinned
-    ring, which `tensors()` reads once the stream has passed the copy (a CUDA event: later work keeps the
-    device busy meanwhile) and copies out before four more such copies."""
+    on their device (a single tensor is copied as it is) into a buffer of the pinned ring, which
+    `arrays()` reads once the stream has passed the copy (a CUDA event: later work keeps the device busy
+    meanwhile) and copies out before four more such copies."""
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self._packing = Packing(tensors)
         source = tensors[0].device
         if source.type != "cuda":
-            self._host, self._event = packed_copy(tensors, torch.device("cpu")), None
+            self._host = [t.numpy() if _NUMPY.get(t.dtype) is not None else t
+                          for t in packed_copy(tensors, torch.device("cpu"))]
+            self._event = None
             return
-        stream = torch.cuda.current_stream(source)
-        if len(tensors) == 1 and tensors[0].is_contiguous():
-            packed = tensors[0].view(-1).view(torch.uint8)
-        else:
-            packed = self._packing.pack(tensors, torch.empty(self._packing.nbytes, dtype=torch.uint8, device=source))
-        with TO_HOST.take(self._packing.nbytes, stream) as (pinned, self._array):
-            pinned[: packed.shape[0]].copy_(packed, non_blocking=True)
-        self._event = stream.record_event()
+        self._stream = torch.cuda.current_stream(source)
+        nbytes = self._packing.nbytes
+        with TO_HOST.take(nbytes, self._stream) as slot:
+            if len(tensors) == 1:  # one copy into its dtype's view of the slot
+                slot.view(tensors[0].dtype, tensors[0].shape).copy_(tensors[0], non_blocking=True)
+            else:
+                packed = self._packing.pack(tensors, torch.empty(nbytes, dtype=torch.uint8, device=source))
+                slot.view(torch.uint8, (nbytes,)).copy_(packed, non_blocking=True)
+            self._array = slot.array[:nbytes]
+        self._event, self._ticket = self._stream.record_event(), STREAM_ORDER.ticket()
 
-    def tensors(self) -> list[torch.Tensor]:
-        """The host tensors, their own (not the ring's); every call returns the same ones."""
+    def arrays(self) -> list[np.ndarray | torch.Tensor]:
+        """The tensors on the host, their own (not the ring's): numpy arrays where numpy has their dtypes, else
+        host tensors; every call returns the same ones."""
         if self._event is not None:
             self._event.synchronize()
+            STREAM_ORDER.ran(self._stream, self._ticket)
             self._host = self._packing.host_views(self._array.copy())  # out of the ring, which later copies reuse
             self._event = None
         return self._host

@@ -82,15 +82,15 @@ def window_results(output_ids: torch.Tensor, num_accepted: torch.Tensor, logprob
     return torch.cat([output_ids.double(), num_accepted.double().unsqueeze(1), logprobs.double()], 1)
 
 
-def split_window_results(columns: np.ndarray, K1: int, drafts: int | None = None) -> dict[str, torch.Tensor]:
+def split_window_results(columns: np.ndarray, K1: int, drafts: int | None = None) -> dict[str, np.ndarray]:
     """`window_results` [B, 2W+1] (W >= K1 = K+1; then `drafts` draft-id columns, when given) on the host, back
-    to a TargetResult's output_ids [B, K+1], num_accepted [B] and logprobs [B, K+1] (and draft_ids [B, K'])."""
+    to a TargetResult's output_ids [B, K+1], num_accepted [B] and logprobs [B, K+1] (and draft_ids [B, K']),
+    as numpy arrays."""
     W = (columns.shape[1] - 1 - (drafts or 0)) // 2
-    fields = {"output_ids": torch.from_numpy(columns[:, :K1].astype(np.int64)),
-              "num_accepted": torch.from_numpy(columns[:, W].astype(np.int64)),
-              "logprobs": torch.from_numpy(columns[:, W + 1: W + 1 + K1].astype(np.float32))}
+    fields = {"output_ids": columns[:, :K1].astype(np.int64), "num_accepted": columns[:, W].astype(np.int64),
+              "logprobs": columns[:, W + 1: W + 1 + K1].astype(np.float32)}
     if drafts is not None:
-        fields["draft_ids"] = torch.from_numpy(columns[:, 2 * W + 1:].astype(np.int64))
+        fields["draft_ids"] = columns[:, 2 * W + 1:].astype(np.int64)
     return fields
 
 
@@ -442,13 +442,24 @@ class DraftWorker:
                            verified.slot_ids, verified.num_draft, results, K)
 
 
+@dataclass
+class HostResult:
+    """A target call's result as the engine reads it: Python lists, and the hidden states on the host."""
+
+    num_accepted: list[int]  # [B]
+    output_ids: list[list[int]]  # [B][K+1]: accepted drafts, then the recovered/bonus token, then -1
+    logprobs: list[list[float]]  # [B][K+1]
+    hidden: torch.Tensor | None  # [B, T, H] float32, where asked for
+    draft_ids: list[list[int]] | None  # [B][K']: the next window's drafts, where a chained call drafted them
+
+
 class PendingTarget:
     """A target call's result on its way to the host (`TargetWorker.verify` launches the call; this copies its
     result out with one transfer, asynchronous from a GPU: `transfers.PendingHost`).
 
-    `result()` waits for this call alone, on a CUDA event rather than the stream, so a call launched after
+    `read()` waits for this call alone, on a CUDA event rather than the stream, so a call launched after
     it keeps the device busy while the host reads this one. `next_ids` [B, 1] are the tokens the call
-    emits first, where it made them: a call launched before `result()` takes them as input without a round
+    emits first, where it made them: a call launched before `read()` takes them as input without a round
     trip. They may be a decode graph's buffer, valid until the next target call. `hidden=False` leaves the
     hidden states on the device (None in the result) when no row pends MTP pairs. A chained call (`window`:
     the next verify window it drafted, `next_window`) offers that window instead: `next_ids` [B, K'+1] at
@@ -459,7 +470,8 @@ class PendingTarget:
 
     def __init__(self, result: TargetResult, hidden: bool = True,
                  window: tuple[torch.Tensor, torch.Tensor] | None = None, results: torch.Tensor | None = None) -> None:
-        self.next_ids, self.next_positions = window or (result.output_ids[:, :1], None)  # [B, 1] or [B, K'+1] x2
+        ids = result.output_ids  # [B, K+1]: a call that verified no drafts emits [B, 1], no slice to make
+        self.next_ids, self.next_positions = window or (ids if ids.shape[1] == 1 else ids[:, :1], None)  # [B, 1] or [B, K'+1] x2
         self._width = result.output_ids.shape[1]  # K+1
         self._drafts = None if result.draft_ids is None else result.draft_ids.shape[1]  # K'
         fields = {"output_ids": result.output_ids, "num_accepted": result.num_accepted, "logprobs": result.logprobs,
@@ -470,14 +482,17 @@ class PendingTarget:
         self._names = [name for name, t in fields.items() if t is not None]
         self._pending = PendingHost([fields[name] for name in self._names])
 
-    def result(self) -> TargetResult:
-        """Host tensors of their own (not the graph's or the ring's), once the call and its copy are done; every
-        call returns the same ones."""
-        host = dict(zip(self._names, self._pending.tensors()))
+    def read(self) -> HostResult:
+        """The result on the host, once the call and its copy are done: lists read through numpy (no torch call
+        each, transfers.py) and the hidden states as a tensor of their own (not the graph's or the ring's)."""
+        host = dict(zip(self._names, self._pending.arrays()))
         results = host.pop("results", None)
         if results is not None:  # [B, 2W+1 (+K')]
-            host.update(split_window_results(results.numpy(), self._width, self._drafts))
-        return TargetResult(**host)
+            host.update(split_window_results(results, self._width, self._drafts))
+        hidden, draft_ids = host.get("hidden"), host.get("draft_ids")
+        return HostResult(host["num_accepted"].tolist(), host["output_ids"].tolist(), host["logprobs"].tolist(),
+                          None if hidden is None else torch.from_numpy(hidden),
+                          None if draft_ids is None else draft_ids.tolist())
 
 
 class InProcessHops:

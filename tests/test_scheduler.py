@@ -369,9 +369,9 @@ class _TracedHops:
         class Traced:
             next_ids, next_positions = pending.next_ids, pending.next_positions
 
-            def result(self):
+            def read(self):
                 log.append(("read", n))
-                return pending.result()
+                return pending.read()
 
         return Traced()
 
@@ -871,6 +871,37 @@ def test_a_payload_moves_with_one_packed_copy_and_keeps_every_value():
     assert np.array_equal(arrays["hidden"], tensors[2].numpy())
 
 
+class _Stream:
+    """A CUDA stream's handle and its host wait, counted."""
+
+    def __init__(self, handle: int) -> None:
+        self.cuda_stream, self.synchronized = handle, 0
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+
+
+def test_a_pinned_buffer_is_reused_without_a_wait_once_a_later_event_on_its_stream_was_waited_on():
+    from triton_mtp.serving.transfers import StreamOrder
+
+    order, stream, other = StreamOrder(), _Stream(1), _Stream(2)
+    copy = order.ticket()  # a copy through a pinned buffer
+    event = order.ticket()  # an event recorded after it, which the host then waits on
+    assert not order.has_run(stream, copy)
+    order.ran(stream, event)
+    assert order.has_run(stream, copy) and order.has_run(stream, event)
+    order.wait(stream, copy)
+    assert stream.synchronized == 0  # known to have run: no wait
+    late = order.ticket()  # a copy after the event: not known to have run
+    assert not order.has_run(stream, late) and not order.has_run(other, copy)  # nor anything on another stream
+    order.ran(stream, copy)  # an older event waited on later does not move the stream back
+    assert order.has_run(stream, event) and not order.has_run(stream, late)
+    order.wait(other, copy)  # unknown: the host waits for the stream's work so far, and then knows all of it ran
+    assert other.synchronized == 1 and order.has_run(other, late)
+    order.wait(other, late)
+    assert other.synchronized == 1
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_payload_round_trips_through_the_gpu():
     from triton_mtp.serving.workers import TargetBatch
@@ -903,8 +934,8 @@ def test_a_pending_target_result_reads_its_own_call_while_later_ones_reuse_the_p
         if len(pendings) == 2:  # as the engine: the next call is launched before the previous is read
             pending, n_read = pendings.pop(0), expected.pop(0)
             assert pending.next_ids.device.type == "cuda"
-            result = pending.result()
-            assert result.output_ids.device.type == "cpu" and torch.equal(result.output_ids, torch.full((3, 2), n_read))
+            result = pending.read()
+            assert result.output_ids == [[n_read] * 2] * 3 and result.num_accepted == [n_read] * 3
             assert (result.hidden is None) == (n_read % 2 == 1)
             if result.hidden is not None:
                 assert torch.equal(result.hidden, torch.full((3, 2, 8), float(n_read)))
