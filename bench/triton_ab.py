@@ -1,5 +1,6 @@
 """An A/B of `spec_decode`'s config parameters in one server: the export as it is and each change served side by
-side, measured in turns.
+side, measured in turns. A change `code=DIR` serves the model with the project's code from DIR, a tree of this
+repository (`git archive <commit> | tar -x -C DIR`): an A/B of code versions on one machine.
 
 Each change ("key=value[,key=value]") becomes a model of its own, `spec_decode_ab<i>`, whose config.pbtxt is the
 export's with those parameters changed and whose version folder is a link to the export's (one copy of the
@@ -31,19 +32,63 @@ from .triton_bench import MODEL, STOP_GRACE_S, run_level
 _PARAMETER = r'(key: "{key}", value: {{ string_value: )"[^"]*"'
 
 
-def changed_config(config: str, name: str, change: str) -> str:
-    """`config` (a config.pbtxt) as model `name`, with the parameters in `change` ("key=value[,key=value]")."""
-    config, n = re.subn(rf'^name: "{MODEL}"', f'name: "{name}"', config, flags=re.MULTILINE)
-    if n != 1:
-        raise ValueError(f"config.pbtxt: no line 'name: \"{MODEL}\"'")
+def parsed_change(change: str) -> dict[str, str]:
+    """{key: value} of a change ("key=value[,key=value]")."""
+    items = {}
     for item in change.split(","):
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"change {change!r}: {item!r} is not key=value")
+        items[key] = value
+    return items
+
+
+def changed_config(config: str, name: str, change: str) -> str:
+    """`config` (a config.pbtxt) as model `name`, with the parameters in `change` ("key=value[,key=value]"; `code`
+    is not a parameter: `code_version`)."""
+    config, n = re.subn(rf'^name: "{MODEL}"', f'name: "{name}"', config, flags=re.MULTILINE)
+    if n != 1:
+        raise ValueError(f"config.pbtxt: no line 'name: \"{MODEL}\"'")
+    for key, value in parsed_change(change).items():
+        if key == CODE:
+            continue
         config, n = re.subn(_PARAMETER.format(key=re.escape(key)), lambda m: f'{m[1]}"{value}"', config)
         if n != 1:
             raise ValueError(f"change {change!r}: no parameter {key!r} in config.pbtxt")
     return config
+
+
+CODE = "code"  # change key: serve the model with the project's code from another tree (an earlier commit's)
+_CODE_MODEL = '''"""spec_decode served with the code of {tree} (bench/triton_ab.py, change `code`)."""
+import importlib.util
+import sys
+
+sys.path.insert(0, {shim!r})
+_spec = importlib.util.spec_from_file_location("spec_decode_code", {model!r})
+_module = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_module)
+TritonPythonModel = _module.TritonPythonModel
+'''
+
+
+def code_version(tree: Path, version: Path, into: Path) -> None:
+    """Version folder `into`: the export's `version` with its model.py replaced by one that serves `tree`'s code (a
+    folder in this repository's layout, as `git archive <commit>` writes it), imported through a shim of links
+    where pyproject.toml maps the packages."""
+    if not (tree / "serving").is_dir():
+        raise ValueError(f"change {CODE}={tree}: not a tree of this project (no serving/)")
+    into.mkdir()
+    for entry in version.iterdir():
+        if entry.name != "model.py":
+            (into / entry.name).symlink_to(entry.resolve())
+    shim = into / "code" / "triton_mtp"  # in the version folder: a folder beside the models would be one to Triton
+    shim.mkdir(parents=True)
+    for path in (tree / "triton_mtp").glob("*.py"):
+        (shim / path.name).symlink_to(path.resolve())
+    for package in ("export", "serving", "client", "train", "model_repository", "bench"):
+        (shim / package).symlink_to((tree / package).resolve(), target_is_directory=True)
+    model = (tree / "model_repository" / MODEL / "1" / "model.py").resolve()
+    (into / "model.py").write_text(_CODE_MODEL.format(tree=tree.resolve(), shim=str(shim.parent), model=str(model)))
 
 
 def ab_repository(repository: Path, changes: list[str], directory: Path) -> dict[str, str]:
@@ -57,8 +102,12 @@ def ab_repository(repository: Path, changes: list[str], directory: Path) -> dict
         name = f"{MODEL}_ab{i}"
         (directory / name).mkdir()
         (directory / name / "config.pbtxt").write_text(changed_config(config, name, change))
+        code = parsed_change(change).get(CODE)
         for version in (p for p in source.iterdir() if p.is_dir()):
-            (directory / name / version.name).symlink_to(version.resolve(), target_is_directory=True)
+            if code:
+                code_version(Path(code), version, directory / name / version.name)
+            else:
+                (directory / name / version.name).symlink_to(version.resolve(), target_is_directory=True)
         models[name] = change
     return models
 
@@ -78,7 +127,7 @@ def run(args: argparse.Namespace, url: str, metrics_url: str, models: dict[str, 
     result = {"benchmark": "triton_ab", "prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
               "max_tokens": args.max_tokens, "environment": environment(), "models": models,
               "parameters": {model: served_parameters(url, model) for model in models}, "rounds": []}
-    changed = sorted({item.partition("=")[0] for change in models.values() if change for item in change.split(",")})
+    changed = sorted({key for change in models.values() if change for key in parsed_change(change)} - {CODE})
     for model, parameters in result["parameters"].items():  # as served: the export's own values too
         print(f"triton_ab {model}: " + ", ".join(f"{key}={parameters.get(key)}" for key in changed), flush=True)
     for model in models:  # untimed: the first calls of each batch shape

@@ -1,6 +1,7 @@
 """CPU smoke of the benchmark harness: bench/gpu_bench.sh end to end, the standalone loop, the realistic floor."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -266,11 +267,18 @@ def test_chain_check_finds_the_chain_graph_agreeing(drafting_checkpoint, tmp_pat
 
 def test_triton_ab_serves_each_change_beside_the_export_in_one_server(tmp_path):
     """gpu_bench's triton_local_ab stage (bench/triton_ab.py): the server loads the export and one model per change;
-    each model runs with its parameters as changed and emits the export's greedy tokens (the same weights)."""
+    each model runs with its parameters as changed, or with the code of another tree of the project (`code`), and
+    emits the export's greedy tokens (the same weights)."""
     checkpoint = perfect_drafter_checkpoint(tmp_path / "checkpoint")
+    tree = tmp_path / "tree"  # the project's code, its spec_decode marked so that the log shows which code served
+    for package in ("triton_mtp", "serving", "export", "client", "train", "model_repository", "bench"):
+        shutil.copytree(REPO / package, tree / package, ignore=shutil.ignore_patterns("__pycache__", "results"))
+    model_py = tree / "model_repository" / "spec_decode" / "1" / "model.py"
+    model_py.write_text(model_py.read_text().replace(
+        "    def initialize(self, args):\n", "    def initialize(self, args):\n        triton_io.log('spec_decode: the tree copy')\n"))
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "BENCH_SMOKE": "1", "BENCH_ONLY": "export_local triton_local_ab",
-           "BENCH_AB": "response_lag_steps=1 stream_interval=3,spec_disable_rows=1", "BENCH_AB_ROUNDS": "2",
+           "BENCH_AB": f"response_lag_steps=1 stream_interval=3,spec_disable_rows=1 code={tree}", "BENCH_AB_ROUNDS": "2",
            "BENCH_AB_REQUESTS_PER_STREAM": "1", "BENCH_RESPONSE_THREADS": "1"}
     env.pop("BENCH_REPOSITORY", None)
     done = subprocess.run(["bash", "bench/gpu_bench.sh", str(checkpoint)], cwd=REPO, env=env,
@@ -279,11 +287,12 @@ def test_triton_ab_serves_each_change_beside_the_export_in_one_server(tmp_path):
     assert done.returncode == 0 and (out / "ab.json").is_file(), log[-3000:]
     result = json.loads((out / "ab.json").read_text())
     assert result["models"] == {"spec_decode": "", "spec_decode_ab0": "response_lag_steps=1",
-                                "spec_decode_ab1": "stream_interval=3,spec_disable_rows=1"}
+                                "spec_decode_ab1": "stream_interval=3,spec_disable_rows=1", "spec_decode_ab2": f"code={tree}"}
     served = result["parameters"]
-    assert [served[m]["response_lag_steps"] for m in result["models"]] == ["0", "1", "0"]
+    assert [served[m]["response_lag_steps"] for m in result["models"]] == ["0", "1", "0", "0"]
     assert [(served[m]["stream_interval"], served[m]["spec_disable_rows"]) for m in result["models"]] == \
-        [("1", "0"), ("1", "0"), ("3", "1")]
+        [("1", "0"), ("1", "0"), ("3", "1"), ("1", "0")]
+    assert (out / "server_ab.log").read_text().count("spec_decode: the tree copy") == 1  # the code model alone
     assert len(result["rounds"]) == 2
     for measured in result["rounds"]:
         for k in ("0", "2"):  # plain, and the smoke export's largest k
