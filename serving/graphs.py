@@ -219,9 +219,12 @@ class _GraphedStep:
         only the scratch position and leaves the KV pool as it found it. RuntimeError naming the graph
         when one disagrees.
         """
+        self._check(self.graphs, tolerance)
+
+    def _check(self, graphs: dict[tuple[int | None, int], _StaticReplay], tolerance: float) -> None:
         generator = torch.Generator(device=self.device).manual_seed(0)
         with self.on_device():
-            for (key, b), replay in self.graphs.items():
+            for (key, b), replay in graphs.items():
                 inputs = self._example(b, key)
                 inputs[0].fill_(1)
                 for spec, x in zip(self.inputs, inputs):
@@ -408,10 +411,25 @@ class GraphedTarget(_GraphedStep):
             return f"the {key}-token prompt target"
         return "target" if key is None else f"the {key}-token target"
 
+    def check_against_eager(self, tolerance: float = 5e-2) -> None:
+        """As every graph family's (RuntimeError when a decode graph disagrees), except that prompt graphs which
+        disagree are dropped, prompts then running eager (`prefill_off` says why), and the decode graphs kept."""
+        prompts = {key: graph for key, graph in self.graphs.items() if key[0] > self.width}
+        try:
+            self._check(prompts, tolerance)
+        except RuntimeError as exc:
+            self.prefill, self.prefill_off = [], str(exc)
+            for key in prompts:
+                del self.graphs[key]
+        self._check({key: graph for key, graph in self.graphs.items() if key not in prompts}, tolerance)
+
+    prefill_off = ""  # why the prompt graphs were dropped at the check, if they were
+
     def captured(self) -> str:
         """What the graphs cover, for the load log."""
         prompts = f"; prompts of up to {self.prefill[-1]} tokens, {self.prefill_tokens} a call" if self.prefill else ""
-        return super().captured() + prompts
+        off = f"; prompt graphs off, prompts run eager: {self.prefill_off}" if self.prefill_off else ""
+        return super().captured() + prompts + off
 
     def place(self, token_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
               num_draft: torch.Tensor) -> list[torch.Tensor]:

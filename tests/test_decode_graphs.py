@@ -348,6 +348,27 @@ def test_a_graph_that_disagrees_with_eager_falls_back_to_the_step(twins):
     assert isinstance(step, GraphedTarget) and lines == ["CUDA graphs of target captured for batch sizes [1, 2] x 1 and 4 tokens"]
 
 
+class BrokenPrompts(EagerReplay):
+    """`Broken` for the prompt families' graphs (wider than the window) only."""
+
+    def replay(self):
+        logits, *rest = super().replay()
+        return (logits + 1.0 if self.inputs[0].shape[1] > WIDTH else logits), *rest
+
+
+def test_prompt_graphs_that_disagree_with_eager_are_dropped_and_the_decode_graphs_kept(twins):
+    (config, plain, _), (_, wrapped, _) = twins
+    lines = []
+    step = with_decode_graphs(lambda: GraphedTarget(verify_window(wrapped), 2, WIDTH, torch.device("cpu"),
+                                                    graph=BrokenPrompts, prefill_tokens=32), None, lines.append)
+    assert isinstance(step, GraphedTarget) and step.prefill == [] and max(w for w, _ in step.graphs) == WIDTH
+    assert len(lines) == 1 and lines[0].startswith(
+        "CUDA graphs of target captured for batch sizes [1, 2] x 1 and 4 tokens; prompt graphs off, prompts run eager: "
+        "CUDA graph of the 32-token prompt target (batch 1) differs from eager in output 0")
+    _assert_calls_match(step, plain, wrapped, [[(0, 0, 9, 0), (1, 0, 5, 0)], [(0, 9, 1, 0), (1, 5, 4, 3)]],
+                        config.vocab_size)  # the prompts eager, the window replayed
+
+
 def test_graphs_are_wanted_on_cuda_for_capturable_formats_only_and_compiled_on_request():
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     on = {"cuda_graphs": "true"}
