@@ -387,7 +387,7 @@ class GraphedTarget(_GraphedStep):
         """The family that a call of B rows of T tokens replays, None for none (it runs eager)."""
         if T <= self.width:
             return (1 if T == 1 else self.width) if 0 < B <= self.buckets[-1] else None
-        return next((w for w in self.prefill if T <= w and B * w <= self.prefill_tokens), None)
+        return next((w for w in self.prefill if T <= w and B <= self._buckets(w)[-1]), None)
 
     def widths(self) -> list[int]:
         return sorted({1, self.width})

@@ -106,6 +106,13 @@ def test_prompt_widths_are_powers_of_two_from_16_past_the_window_within_the_budg
     assert prefill_widths(5, 15) == prefill_widths(5, 0) == []
 
 
+def test_a_call_replays_the_narrowest_family_whose_padded_rows_fit():
+    graphed = GraphedTarget(lambda *inputs: None, MAX_SLOTS, WIDTH, torch.device("cpu"), graph=EagerReplay,
+                            prefill_tokens=56)  # 16 tokens: buckets 1 and 2 (4 x 16 > 56); 32 tokens: bucket 1
+    assert [graphed.family(B, T) for B, T in [(6, 1), (7, 1), (6, 4), (2, 9), (3, 9), (1, 17), (2, 17), (1, 33)]] == \
+        [1, None, WIDTH, 16, None, 32, None, None]
+
+
 def test_prompt_calls_replay_the_prompt_families_that_fit_their_token_budget(twins):
     """With `prefill_tokens`, a prompt call of B rows of T tokens replays the narrowest family of width P >= T
     whose B-row bucket keeps B·P within the budget; wider or larger calls run eager."""
