@@ -28,7 +28,7 @@ class StreamOrder:
 
     def __init__(self) -> None:
         self._issued = 0
-        self._seen: dict[int, int] = {}  # per stream (its handle): the largest ticket known to have run
+        self._seen: dict[tuple[int, int], int] = {}  # per stream (device, handle): the largest ticket known to have run
 
     def ticket(self) -> int:
         self._issued += 1
@@ -36,12 +36,12 @@ class StreamOrder:
 
     def ran(self, stream: torch.cuda.Stream, ticket: int) -> None:
         """The host has seen `stream` run the work enqueued before `ticket` was taken (it waited on an event)."""
-        key = stream.cuda_stream
+        key = stream.device_index, stream.cuda_stream  # (each device's default stream has handle 0)
         if ticket > self._seen.get(key, 0):
             self._seen[key] = ticket
 
     def has_run(self, stream: torch.cuda.Stream, ticket: int) -> bool:
-        return ticket <= self._seen.get(stream.cuda_stream, 0)
+        return ticket <= self._seen.get((stream.device_index, stream.cuda_stream), 0)
 
     def wait(self, stream: torch.cuda.Stream, ticket: int) -> None:
         """Until the copy that took `ticket` on `stream` has run (where the host has not seen it yet: the stream's

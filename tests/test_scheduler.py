@@ -872,10 +872,10 @@ def test_a_payload_moves_with_one_packed_copy_and_keeps_every_value():
 
 
 class _Stream:
-    """A CUDA stream's handle and its host wait, counted."""
+    """A CUDA stream's device and handle, and its host wait, counted."""
 
-    def __init__(self, handle: int) -> None:
-        self.cuda_stream, self.synchronized = handle, 0
+    def __init__(self, device: int, handle: int) -> None:
+        self.device_index, self.cuda_stream, self.synchronized = device, handle, 0
 
     def synchronize(self) -> None:
         self.synchronized += 1
@@ -884,7 +884,7 @@ class _Stream:
 def test_a_pinned_buffer_is_reused_without_a_wait_once_a_later_event_on_its_stream_was_waited_on():
     from triton_mtp.serving.transfers import StreamOrder
 
-    order, stream, other = StreamOrder(), _Stream(1), _Stream(2)
+    order, stream, other = StreamOrder(), _Stream(0, 0), _Stream(1, 0)  # two devices' default streams
     copy = order.ticket()  # a copy through a pinned buffer
     event = order.ticket()  # an event recorded after it, which the host then waits on
     assert not order.has_run(stream, copy)
