@@ -190,6 +190,15 @@ def test_detokenize_bench_compares_both_paths_on_held_out_outputs(tmp_path):
     assert row["whole_decode_ms"] > 0 and row["text_stream_ms"] > 0
 
 
+def test_gil_release_bench_times_each_call_alone_and_beside_a_python_thread(tmp_path):
+    out = tmp_path / "gil.json"
+    done = run_module("bench.gil_release", "--calls", "200", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    calls = json.loads(out.read_text())["per_call_us"]
+    assert {"tensor.view", "tensor.copy_", "python list slice"} <= set(calls)
+    assert all(row["alone"] > 0 and row["beside_a_python_thread"] > 0 for row in calls.values())
+
+
 def test_engine_overhead_steps_the_same_on_a_second_thread(tmp_path):
     runs = {}
     for where, flags in (("main", ()), ("thread", ("--thread",))):
