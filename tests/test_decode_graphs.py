@@ -253,7 +253,8 @@ def test_the_engine_over_graphed_workers_emits_what_it_emits_eager(drafting_chec
                                                                     spec_disable_rows):
     """Tokens, logprobs and drafts of the scheduler over graphed workers (outputs in replay-owned buffers)
     equal the eager workers', greedy and seeded sampling, for rows joining, drafting and finishing at
-    different steps (prefill batches run eager, the rest replay). With `spec_disable_rows` 2, the target
+    different steps (prompt calls of up to 32 tokens replay the prompt graphs, larger ones run eager, the rest
+    replay). With `spec_disable_rows` 2, the target
     hidden states that wait through steps without drafts outlive the replays that made them."""
     slots, max_draft = 4, 3
     outputs, drafts = [], []
@@ -264,7 +265,7 @@ def test_the_engine_over_graphed_workers_emits_what_it_emits_eager(drafting_chec
         layers, H, cpu = config.num_nextn_predict_layers, config.hidden_size, torch.device("cpu")
         window, mtp_step, greedy, chained = verify_window(target), mtp, None, None
         if mode != "eager":
-            window = target_graphs(target, slots, max_draft, cpu, graph=BufferedReplay)  # the served layout
+            window = target_graphs(target, slots, max_draft, cpu, graph=BufferedReplay, prefill_tokens=32)  # as served
             mtp_step = mtp_graphs(mtp, layers, slots, max_draft, H, torch.float32, cpu, graph=BufferedReplay)
             greedy = draft_chain_graphs(mtp, mtp_step, max_draft, graph=BufferedReplay)
         if mode == "chain graphed":
@@ -281,6 +282,8 @@ def test_the_engine_over_graphed_workers_emits_what_it_emits_eager(drafting_chec
                                             temperature=temperature, seed=7 + n, return_logprobs=True), handle)
         engine.run_until_idle()
         assert [h.error for h in handles] == [None] * len(handles)
+        if mode != "eager":  # rows admitted later prefilled in a prompt graph
+            assert any(g._buffers is not None for (width, _), g in window.graphs.items() if width > max_draft + 1)
         outputs.append([(h.final.output_ids, h.final.logprobs) for h in handles])
         drafts.append(hops.mtp.calls)
     chains = num_draft_tokens and temperature == 0  # (with spec_disable_rows 2: once two rows are left)
