@@ -103,6 +103,9 @@ def ab_repository(repository: Path, changes: list[str], directory: Path) -> dict
         (directory / name).mkdir()
         (directory / name / "config.pbtxt").write_text(changed_config(config, name, change))
         code = parsed_change(change).get(CODE)
+        if code and 'key: "hops", value: { string_value: "local" }' not in config:
+            raise ValueError(f"change {change!r}: {CODE} needs an export --hops local (with BLS hops the target and "
+                             "mtp models would still run the export's code)")
         for version in (p for p in source.iterdir() if p.is_dir()):
             if code:
                 code_version(Path(code), version, directory / name / version.name)

@@ -133,8 +133,12 @@ class EagerReplay(_StaticReplay):
         return self.outputs
 
 
+class GraphMismatch(RuntimeError):
+    """A replay's outputs differ from the eager step's."""
+
+
 def _compare(name: str, expected: Sequence[torch.Tensor], got: Sequence[torch.Tensor], tolerance: float) -> None:
-    """RuntimeError naming the graph and output where a replay's outputs differ from eager's: floating point by
+    """GraphMismatch naming the graph and output where a replay's outputs differ from eager's: floating point by
     relative error, ids and counts exactly."""
     for n, (e, g) in enumerate(zip(expected, got)):
         if e.is_floating_point():
@@ -143,7 +147,7 @@ def _compare(name: str, expected: Sequence[torch.Tensor], got: Sequence[torch.Te
         else:
             wrong = "" if torch.equal(g, e) else f"{int((g != e).sum())} ids differ"
         if wrong:
-            raise RuntimeError(f"CUDA graph of {name} differs from eager in output {n}: {wrong}")
+            raise GraphMismatch(f"CUDA graph of {name} differs from eager in output {n}: {wrong}")
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -417,7 +421,7 @@ class GraphedTarget(_GraphedStep):
         prompts = {key: graph for key, graph in self.graphs.items() if key[0] > self.width}
         try:
             self._check(prompts, tolerance)
-        except RuntimeError as exc:
+        except GraphMismatch as exc:  # (any other failure, out of memory say, fails the whole check)
             self.prefill, self.prefill_off = [], str(exc)
             for key in prompts:
                 del self.graphs[key]
@@ -453,7 +457,7 @@ class GraphedTarget(_GraphedStep):
         `window_results` are as wide as the graph's window (results past K + 1 are padding: ids -1)."""
         B, T = token_ids.shape
         key = self.family(B, T)
-        if key is None:
+        if key is None or K > self._drafts(key):  # (more drafts than the window: a prompt family would cut them)
             return self.step(*to_device([token_ids, positions, slot_ids, num_draft], self.device), K, greedy)
         window_logits, draft_ids, num_accepted, output_ids, logprobs, hidden, results = self._replay(
             key, (token_ids, positions, slot_ids, num_draft))

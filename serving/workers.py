@@ -491,7 +491,7 @@ class PendingTarget:
             host.update(split_window_results(results, self._width, self._drafts))
         hidden, draft_ids = host.get("hidden"), host.get("draft_ids")
         return HostResult(host["num_accepted"].tolist(), host["output_ids"].tolist(), host["logprobs"].tolist(),
-                          None if hidden is None else torch.from_numpy(hidden),
+                          hidden if hidden is None or isinstance(hidden, torch.Tensor) else torch.from_numpy(hidden),
                           None if draft_ids is None else draft_ids.tolist())
 
 

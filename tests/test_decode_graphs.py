@@ -127,6 +127,7 @@ def test_prompt_calls_replay_the_prompt_families_that_fit_their_token_budget(twi
         [(0, 9, 1, 0), (3, 5, 4, 3)],  # decoding: the window's family
         [(1, 20, 3, 2), (5, 0, 12, 0)],  # a prompt beside a verify window (prompts not apart): (16, 2), K = 2
         [(4, 3, 40, 0)],  # wider than every family: eager
+        [(2, 3, 12, 5)],  # more drafts than the window's: a prompt family would cut them, eager
     ], config.vocab_size)
     replays = {key: g.replays for key, g in graphed.graphs.items() if hasattr(g, "replays")}
     assert replays == {(16, 2): 2, (32, 1): 1, (WIDTH, 2): 1}
@@ -351,7 +352,7 @@ def test_a_graph_that_disagrees_with_eager_falls_back_to_the_step(twins):
                               window, lines.append)
     assert step is window
     assert lines and lines[0].startswith(
-        "CUDA graphs off, running eager: RuntimeError: CUDA graph of the 4-token target (batch 2) differs")
+        "CUDA graphs off, running eager: GraphMismatch: CUDA graph of the 4-token target (batch 2) differs")
     lines.clear()
     step = with_decode_graphs(lambda: GraphedTarget(window, 2, WIDTH, torch.device("cpu"), graph=EagerReplay),
                               window, lines.append)
