@@ -1,6 +1,7 @@
 """An A/B of `spec_decode`'s config parameters in one server: the export as it is and each change served side by
 side, measured in turns. A change `code=DIR` serves the model with the project's code from DIR, a tree of this
-repository (`git archive <commit> | tar -x -C DIR`): an A/B of code versions on one machine.
+repository (`git archive <commit> | tar -x -C DIR`): an A/B of code versions on one machine (local hops: the
+workers run in `spec_decode`'s process too).
 
 Each change ("key=value[,key=value]") becomes a model of its own, `spec_decode_ab<i>`, whose config.pbtxt is the
 export's with those parameters changed and whose version folder is a link to the export's (one copy of the
