@@ -31,6 +31,7 @@ from .common import environment, held_out_prompts, write_result
 from .triton_bench import MODEL, STOP_GRACE_S, run_level
 
 _PARAMETER = r'(key: "{key}", value: {{ string_value: )"[^"]*"'
+CODE = "code"  # change key: serve the model with the project's code from another tree (an earlier commit's)
 
 
 def parsed_change(change: str) -> dict[str, str]:
@@ -59,7 +60,6 @@ def changed_config(config: str, name: str, change: str) -> str:
     return config
 
 
-CODE = "code"  # change key: serve the model with the project's code from another tree (an earlier commit's)
 _CODE_MODEL = '''"""spec_decode served with the code of {tree} (bench/triton_ab.py, change `code`)."""
 import importlib.util
 import sys
@@ -101,12 +101,12 @@ def ab_repository(repository: Path, changes: list[str], directory: Path) -> dict
     config = (source / "config.pbtxt").read_text()
     for i, change in enumerate(changes):
         name = f"{MODEL}_ab{i}"
-        (directory / name).mkdir()
-        (directory / name / "config.pbtxt").write_text(changed_config(config, name, change))
         code = parsed_change(change).get(CODE)
         if code and 'key: "hops", value: { string_value: "local" }' not in config:
             raise ValueError(f"change {change!r}: {CODE} needs an export --hops local (with BLS hops the target and "
                              "mtp models would still run the export's code)")
+        (directory / name).mkdir()
+        (directory / name / "config.pbtxt").write_text(changed_config(config, name, change))
         for version in (p for p in source.iterdir() if p.is_dir()):
             if code:
                 code_version(Path(code), version, directory / name / version.name)
