@@ -379,13 +379,12 @@ class GraphedTarget(_GraphedStep):
             raise ValueError(f"prefill_graph_tokens: must be >= 0, got {prefill_tokens}")
         self.prefill_tokens = prefill_tokens
         self.prefill = prefill_widths(width, prefill_tokens)
+        self._prompt_buckets = {w: [b for b in batch_buckets(max_batch) if b * w <= prefill_tokens] for w in self.prefill}
         super().__init__(window, max_batch, width, device, sorted({1, width, *self.prefill}, reverse=True), None,
                          graph)  # widest first
 
     def _buckets(self, key: int | None) -> list[int]:
-        if key is None or key <= self.width:
-            return self.buckets
-        return [b for b in self.buckets if b * key <= self.prefill_tokens]
+        return self._prompt_buckets.get(key, self.buckets)
 
     def family(self, B: int, T: int) -> int | None:
         """The family that a call of B rows of T tokens replays, None for none (it runs eager)."""

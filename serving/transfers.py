@@ -64,10 +64,11 @@ class PinnedSlot:
         self._views: dict[tuple[torch.dtype, tuple[int, ...]], torch.Tensor] = {}
         self.used: tuple[torch.cuda.Stream, int] | None = None  # the stream and ticket of the copy that last used it
 
-    MAX_VIEWS = 256  # a decode loop uses a few shapes; prompts of every length would make views without end
+    MAX_VIEWS = 256  # a bound: the decode loop's shapes are a few per batch bucket
 
     def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """Its first bytes as a tensor of `dtype` and `shape`."""
+        """Its first bytes as a tensor of `dtype` and `shape`, for the decode loop's fixed shapes (a payload of any
+        size takes `tensor[:nbytes]`)."""
         key = (dtype, tuple(shape))
         view = self._views.get(key)
         if view is None:
@@ -169,7 +170,7 @@ def packed_copy(tensors: list[torch.Tensor], device: torch.device) -> list[torch
     source = tensors[0].device
     if source.type == "cpu" and device.type == "cuda":
         with TO_DEVICE.take(packing.nbytes, torch.cuda.current_stream(device)) as slot:
-            staging = slot.view(torch.uint8, (packing.nbytes,))
+            staging = slot.tensor[: packing.nbytes]
             moved = packing.pack(tensors, staging, slot.array[: packing.nbytes]).to(device, non_blocking=True)
     elif source.type == "cpu":
         array = np.empty(packing.nbytes, dtype=np.uint8)
@@ -202,10 +203,10 @@ class PendingHost:
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self._packing = Packing(tensors)
         source = tensors[0].device
-        if source.type != "cuda":
-            self._host = [t.numpy() if _NUMPY.get(t.dtype) is not None else t
-                          for t in packed_copy(tensors, torch.device("cpu"))]
-            self._event = None
+        if source.type != "cuda":  # packed into a buffer of its own, read as from the ring
+            array = np.empty(self._packing.nbytes, dtype=np.uint8)
+            self._packing.pack(tensors, torch.from_numpy(array), array)
+            self._host, self._event = self._packing.host_views(array), None
             return
         self._stream = torch.cuda.current_stream(source)
         nbytes = self._packing.nbytes
@@ -214,7 +215,7 @@ class PendingHost:
                 slot.view(tensors[0].dtype, tensors[0].shape).copy_(tensors[0], non_blocking=True)
             else:
                 packed = self._packing.pack(tensors, torch.empty(nbytes, dtype=torch.uint8, device=source))
-                slot.view(torch.uint8, (nbytes,)).copy_(packed, non_blocking=True)
+                slot.tensor[:nbytes].copy_(packed, non_blocking=True)
             self._array = slot.array[:nbytes]
         self._event, self._ticket = self._stream.record_event(), STREAM_ORDER.ticket()
 

@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.realistic import bytes_touched, v2_lite_config  # noqa: E402
+from bench.triton_ab import ab_repository  # noqa: E402
 
 
 def perfect_drafter_checkpoint(out: Path) -> Path:
@@ -188,6 +189,17 @@ def test_detokenize_bench_compares_both_paths_on_held_out_outputs(tmp_path):
     (row,) = json.loads(out.read_text())["rows"]
     assert row["output_tokens"] == 64 and row["steps"] == 22
     assert row["whole_decode_ms"] > 0 and row["text_stream_ms"] > 0
+
+
+def test_triton_ab_refuses_a_code_change_over_bls_hops(tmp_path):
+    """With BLS hops the target and mtp models would still run the export's code: the A/B would not be one."""
+    model = tmp_path / "repo" / "spec_decode"
+    (model / "1").mkdir(parents=True)
+    (model / "config.pbtxt").write_text('name: "spec_decode"\nparameters { key: "hops", value: { string_value: "bls" } }\n')
+    (tmp_path / "ab").mkdir()
+    with pytest.raises(ValueError, match="code needs an export --hops local"):
+        ab_repository(tmp_path / "repo", [f"code={REPO}"], tmp_path / "ab")
+    assert [p.name for p in (tmp_path / "ab").iterdir()] == ["spec_decode"]  # nothing written for the change
 
 
 def test_gil_release_bench_times_each_call_alone_and_beside_a_python_thread(tmp_path):
