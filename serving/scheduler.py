@@ -29,6 +29,7 @@ The loop is pb_utils-free: hops and response senders come in through small proto
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import deque
@@ -45,7 +46,7 @@ from triton_mtp.serving.requests import (
 from triton_mtp.serving.sampling import GREEDY_TEMPERATURE
 from triton_mtp.serving.slots import SlotPool
 from triton_mtp.serving.transfers import packed_copy
-from triton_mtp.serving.workers import DraftBatch, DraftResult, PendingTarget, TargetBatch
+from triton_mtp.serving.workers import DraftBatch, DraftResult, HostResult, PendingTarget, TargetBatch
 
 
 class Hops(Protocol):
@@ -173,6 +174,7 @@ class _Launched:
     starts: list[int]
     params: dict[str, torch.Tensor] | None  # its rows' `_row_params` when none was new: the next call reuses them
     chained: bool = False
+    prompts: _Launched | None = None  # launched just before it: the prompts of its new rows, read first
 
 
 def _on_device(index: list[int], device: torch.device) -> torch.Tensor:
@@ -202,7 +204,7 @@ def _row_params(rows: list[_Sequence], new: list[bool]) -> dict[str, torch.Tenso
 def _next_params(call: _Launched, rows: list[_Sequence]) -> dict[str, torch.Tensor]:
     """`_row_params` of a call launched after `call` over `rows` (none new): `call`'s own when its rows are the
     same and none was new in it, as from one decode step to the next, which saves building them per step."""
-    if call.params is not None and len(rows) == len(call.rows):  # callers keep `call.rows` in order: the same rows
+    if call.params is not None and rows == call.rows:  # the same rows in order (compared by identity)
         return call.params
     return _row_params(rows, [False] * len(rows))
 
@@ -320,7 +322,7 @@ class Scheduler:
         self._drop_cancelled()
         self._drop_expired()
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and not any(s in self._live for s in ahead.rows):
+        if ahead is not None and not any(s in self._live for s in ahead.rows + (ahead.prompts.rows if ahead.prompts else [])):
             ahead = None  # its rows all finished: its work on the device is left unread
         if ahead is None:  # else requests wait one step: this step's call is already running
             self._admit()
@@ -408,11 +410,13 @@ class Scheduler:
         for s in timed_out:
             self._fail(s, message, reason="timeout")
 
-    def _admit(self) -> None:
-        while True:
+    def _admit(self, limit: int | None = None) -> list[_Sequence]:
+        """Give waiting requests free slots (at most `limit` taken from the queue); returns the new sequences."""
+        admitted = []
+        for _ in itertools.repeat(None) if limit is None else range(limit):
             with self._cond:
                 if not self._waiting or self.slots.num_free == 0:
-                    return
+                    break
                 waiting = self._waiting.popleft()
             request, handle = waiting.request, waiting.handle
             if handle.is_cancelled():
@@ -422,9 +426,10 @@ class Scheduler:
             slot = self.slots.allocate()
             text_stream = (self._tokenizer.decode_stream()
                            if self._tokenizer is not None and (request.stream or request.stop_words) else None)
-            self._live.append(_Sequence(request, handle, slot, waiting.deadline, list(request.input_ids),
-                                        text_stream=text_stream,
-                                        accepted_per_position=[0] * request.num_draft_tokens))
+            admitted.append(_Sequence(request, handle, slot, waiting.deadline, list(request.input_ids),
+                                      text_stream=text_stream, accepted_per_position=[0] * request.num_draft_tokens))
+            self._live.append(admitted[-1])
+        return admitted
 
     # ---- the two hops --------------------------------------------------------------------------
     def _propose(self, rows: list[_Sequence]) -> None:
@@ -452,6 +457,23 @@ class Scheduler:
                 s.draft_top_ids, s.draft_top_probs = result.draft_top_ids[b, :k], result.draft_top_probs[b, :k]
 
     def _verify(self, rows: list[_Sequence]) -> None:
+        batch, starts, params = self._target_batch(rows)
+        if self._chains(rows, [len(s.drafts) + 1 for s in rows]):
+            self._complete(self._launch_chained(rows, batch, params, starts, ahead=False))
+            return
+        self._complete(self._launch_target(rows, batch, starts, params, ahead=False))
+
+    def _launch_target(self, rows: list[_Sequence], batch: TargetBatch, starts: list[int],
+                       params: dict[str, torch.Tensor] | None, ahead: bool) -> _Launched:
+        hidden = any(s.request.num_draft_tokens for s in rows)  # rows that pend MTP pairs need the hidden states
+        pending = self._timed("target", self._hops.launch_target, batch, hidden)
+        self.metrics.hop()
+        self.metrics.launched(chained=False, ahead=ahead)
+        return _Launched(pending, rows, starts, params)
+
+    def _target_batch(self, rows: list[_Sequence]) -> tuple[TargetBatch, list[int], dict[str, torch.Tensor] | None]:
+        """A target call's batch over `rows` (prompts whole, decoding rows their window), where each row's first
+        token goes, and the row parameters for the next call over them (None where some row is new)."""
         windows, starts = [], []
         for s in rows:
             if s.prefilled:
@@ -479,15 +501,7 @@ class Scheduler:
         params = _row_params(rows, new)
         batch = TargetBatch(**params, token_ids=token_ids, positions=positions, num_draft=num_draft,
                             draft_top_ids=top_ids, draft_top_probs=top_probs)
-        params = None if any(new) else params  # the next call over these rows has none new: built again
-        if self._chains(rows, [len(s.drafts) + 1 for s in rows]):
-            self._complete(self._launch_chained(rows, batch, params, starts, ahead=False))
-            return
-        hidden = any(s.request.num_draft_tokens for s in rows)  # rows that pend MTP pairs need the hidden states
-        pending = self._timed("target", self._hops.launch_target, batch, hidden)
-        self.metrics.hop()
-        self.metrics.launched(chained=False, ahead=False)
-        self._complete(_Launched(pending, rows, starts, params))
+        return batch, starts, None if any(new) else params  # the next call over these rows has none new: built again
 
     def _chains(self, rows: list[_Sequence], emitted: list[int]) -> bool:
         """Whether a target call over `rows` can draft their next window on the device: every row decodes
@@ -513,11 +527,16 @@ class Scheduler:
 
     def _complete(self, call: _Launched) -> None:
         """Launch the next step's call first when it can go ahead, then read `call`'s results and accept them
-        for its rows still live."""
+        for its rows still live (the prompts launched before it first: the next call counts their tokens)."""
+        if call.prompts is not None:
+            self._accept_all(call.prompts, self._timed("target", call.prompts.pending.read))
         self._ahead = self._go_ahead(call)
         result = self._timed("target", call.pending.read)
         if self._drain_responses is not None:  # the previous step's responses went out during the hops
             self._timed("respond", self._drain_responses)
+        self._accept_all(call, result)
+
+    def _accept_all(self, call: _Launched, result: HostResult) -> None:
         num_accepted, output_ids, logprobs = result.num_accepted, result.output_ids, result.logprobs  # [B], [B][K+1] x2
         self._last_hidden = hop = _StepHidden(result.hidden)  # [B, T, H]
         next_drafts = result.draft_ids if call.chained else None  # [B][K']: the next window's drafts
@@ -533,40 +552,55 @@ class Scheduler:
 
     def _go_ahead(self, call: _Launched) -> _Launched | None:
         """The next step's target call over `call`'s rows, launched with the tokens `call` emits as its input
-        before they reach the host, when `call` verified no drafts (each row emits one token), the next step
-        drafts for none of them (plain rows, or more rows than `spec_disable_rows`) and no request waits for
-        a free slot. Rows that certainly finish with `call` (max_tokens) are left out; those that stop on EOS or a
-        stop word get a call whose result is never read."""
+        before they reach the host, when `call` verified no drafts (each row emits one token) and the next step
+        drafts for none of them (plain rows, or more rows than `spec_disable_rows`). Rows that certainly finish
+        with `call` (max_tokens) are left out; those that stop on EOS or a stop word get a call whose result is
+        never read. With `separate_prefill`, requests waiting for a free slot are admitted on the way: their prompts
+        go in a call launched first, whose first tokens the next call takes as their input, so the device never waits for the host to
+        admit (`_complete` reads the prompts before the call)."""
         if not self._overlap or not set(self._live) <= set(call.rows):
             return None  # some live row is not in `call` (prefilled apart): the next step steps every row
         with self._cond:
-            if self._waiting and self.slots.num_free:  # admitted once the rows run one call at a time again
-                return None  # (with every slot busy, it waits whether or not this call goes ahead)
+            incoming = list(itertools.islice(self._waiting, self.slots.num_free))
+        if incoming and (call.chained or not self._separate_prefill):  # admitted once the rows run one call at a time
+            return None
         if call.chained:
             return self._chain_ahead(call)
         if any(s.drafts for s in call.rows):
             return None
-        index = [b for b, s in enumerate(call.rows) if len(s.output_ids) + 1 < s.request.max_tokens]
+        live = set(self._live)  # a row that finished is left out: its slot may be given to a new row here
+        index = [b for b, s in enumerate(call.rows) if s in live and len(s.output_ids) + 1 < s.request.max_tokens]
         rows = [call.rows[b] for b in index]
-        drafting_off = self._spec_disable_rows and len(rows) > self._spec_disable_rows
-        # after `call`, a row may draft min(num_draft_tokens, max_tokens - output tokens - 1) tokens
-        if not rows or not drafting_off and any(s.request.num_draft_tokens and s.request.max_tokens - len(s.output_ids) > 2
-                                                for s in rows):
+        if not rows:
+            return None
+        drafting_off = self._spec_disable_rows and len(rows) + len(incoming) > self._spec_disable_rows
+        # after `call` (after its prompt, for a new row), a row may draft min(num_draft_tokens, max_tokens - output
+        # tokens - 1) tokens
+        if not drafting_off and any(r.num_draft_tokens and r.max_tokens - len(o) > 2
+                                    for r, o in [(s.request, s.output_ids) for s in rows] + [(w.request, ()) for w in incoming]):
             return None
         token_ids = call.pending.next_ids  # [B, 1] on the device
         if len(rows) < len(call.rows):
-            kept = _on_device(index, token_ids.device)  # [B']
-            token_ids = token_ids.index_select(0, kept)  # [B', 1]
-        starts = [len(s.tokens) for s in rows]  # where the tokens `call` emits go
+            token_ids = token_ids.index_select(0, _on_device(index, token_ids.device))  # [B', 1]
+        prompts = None
+        if incoming:
+            new = self._admit(len(incoming))
+            prompts = self._launch_target(new, *self._target_batch(new), ahead=True) if new else None
+            index = [b for b, s in enumerate(new) if s.request.max_tokens > 1]  # the others finish with their prompt
+            if index:
+                new_ids = prompts.pending.next_ids  # [N, 1] on the device: each prompt's first token
+                if len(index) < len(new):
+                    new_ids = new_ids.index_select(0, _on_device(index, new_ids.device))  # [N', 1]
+                token_ids = torch.cat([token_ids, new_ids])  # [B' + N', 1]
+                rows += [new[b] for b in index]
+        starts = [len(s.tokens) for s in rows]  # where the tokens `call` (or its prompt) emits go
         params = _next_params(call, rows)
         batch = TargetBatch(**params, token_ids=token_ids,  # host tensors over numpy: no torch op (transfers.py)
                             positions=torch.from_numpy(np.array(starts, dtype=np.int64).reshape(-1, 1)),  # [B', 1]
                             num_draft=torch.from_numpy(np.zeros(len(rows), dtype=np.int64)))  # [B']
-        hidden = any(s.request.num_draft_tokens for s in rows)  # their pairs wait for a step that drafts
-        pending = self._timed("target", self._hops.launch_target, batch, hidden)
-        self.metrics.hop()
-        self.metrics.launched(chained=False, ahead=True)
-        return _Launched(pending, rows, starts, params)
+        launched = self._launch_target(rows, batch, starts, params, ahead=True)  # their pairs wait for a step that drafts
+        launched.prompts = prompts
+        return launched
 
     def _chain_ahead(self, call: _Launched) -> _Launched | None:
         """The next chained call over `call`'s rows still live, launched with the window `call` drafts as its

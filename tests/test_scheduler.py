@@ -1006,6 +1006,54 @@ def test_calls_go_ahead_while_requests_wait_for_a_busy_slot(models, num_draft_to
     assert ahead_while_waiting >= 5
 
 
+@pytest.mark.parametrize("temperature, num_draft_tokens", [(0.0, 0), (0.8, 0), (0.0, 2)])
+def test_requests_are_admitted_while_calls_go_ahead(models, temperature, num_draft_tokens):
+    """Requests that arrive while calls go ahead are admitted on the way: their prompts go in a call launched
+    before the previous result is read, and the next call takes their first tokens on the device. Slots freed by
+    rows that stopped on EOS are given again meanwhile, a call never carries a finished row beside the new one in
+    its slot, a request of one token finishes with its prompt, and the output equals one call at a time (greedy
+    and seeded sampling; with drafts wanted, `spec_disable_rows` 1 keeps drafting off)."""
+    batch = prompts(8, seed=53)
+    (probe,) = run(scheduler(models), [GenerationRequest(batch[0], 12)])
+    eos = probe.final.output_ids[3]  # request 0 stops on EOS after 3 tokens, greedy
+
+    def serve(overlap: bool):
+        hops = _TracedHops(in_process_hops(*models))
+        calls = []  # per target call: (slots, rows prefilled, launched while a call was unread)
+        launch = hops.launch_target
+
+        def traced(batch, *args):
+            unread = {n for e, n in hops.log if e != "read"} - {n for e, n in hops.log if e == "read"}
+            calls.append((batch.slot_ids.tolist(), int(batch.new.sum()), bool(unread)))
+            return launch(batch, *args)
+
+        hops.launch_target = traced
+        engine = Scheduler(hops, limits(max_slots=4, eos_token_id=eos), overlap=overlap,
+                           spec_disable_rows=1 if num_draft_tokens else 0)
+        handles = [Collect() for _ in batch]
+        requests = [GenerationRequest(p, 1 if n == 5 else 9 + 2 * n, stream=True, temperature=temperature, seed=n,
+                                      return_logprobs=True, num_draft_tokens=num_draft_tokens)
+                    for n, p in enumerate(batch)]
+        for n, (request, handle) in enumerate(zip(requests, handles)):  # one arrives every other step
+            engine.submit(request, handle)
+            for _ in range(2 if n >= 2 else 0):
+                engine.step()
+        engine.run_until_idle()
+        assert engine.slots.num_free == 4
+        outputs = [(sum((r.output_ids for r, _ in h.responses), []), sum((r.logprobs for r, _ in h.responses), []),
+                    h.responses[-1][0].finish_reason) for h in handles]
+        return outputs, calls
+
+    (expected, _), (got, calls) = serve(False), serve(True)
+    assert [(ids, reason) for ids, _, reason in got] == [(ids, reason) for ids, _, reason in expected]
+    for (_, got_logprobs, _), (_, expected_logprobs, _) in zip(got, expected):
+        assert got_logprobs == pytest.approx(expected_logprobs, abs=1e-5)
+    assert (temperature > 0 or got[0][2] == "stop") and len(got[5][0]) == 1
+    assert all(len(set(slots)) == len(slots) for slots, _, _ in calls)  # no slot twice in one call
+    assert sum(1 for _, new, ahead in calls if new and ahead) >= 4  # prompts launched ahead
+    assert sum(1 for _, new, ahead in calls if ahead) > len(calls) * 3 // 4
+
+
 @pytest.mark.parametrize("num_draft_tokens", [0, 2])
 def test_requests_admitted_while_rows_decode_are_prefilled_in_a_call_of_their_own(models, num_draft_tokens):
     """With `separate_prefill`, a step that admits requests while others decode prefills them in a call of
