@@ -52,9 +52,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="eager format on cuda: run every target / mtp call from Python instead of replaying "
                         "captured decode graphs")
-    parser.add_argument("--prefill-graph-tokens", type=at_least(0), default=0, metavar="N",
+    parser.add_argument("--prefill-graph-tokens", type=at_least(0), default=256, metavar="N",
                         help="with CUDA graphs: prompt calls of up to N tokens (rows x padded prompt length) "
-                        "replay graphs too, in power-of-two widths from 16; 0 runs prompts eager (default: 0)")
+                        "replay graphs too, in power-of-two widths from 16; 0 runs prompts eager (default: 256)")
     parser.add_argument("--response-threads", type=at_least(0), default=0, metavar="N",
                         help="spec_decode sends streamed responses from N threads while the next step runs; "
                         "0 sends them from the engine's step (default: 0)")

@@ -65,7 +65,7 @@ def write_repository(
     eager_compile: bool = True,
     cuda_graphs: bool = True,
     compile_graphs: bool = False,
-    prefill_graph_tokens: int = 0,
+    prefill_graph_tokens: int = 256,
     response_threads: int = 0,
     response_lag_steps: int = 0,
     stream_interval: int = 1,
