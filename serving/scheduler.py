@@ -176,6 +176,11 @@ class _Launched:
     chained: bool = False
     prompts: _Launched | None = None  # launched just before it: the prompts of its new rows, read first
 
+    @property
+    def every_row(self) -> list[_Sequence]:
+        """Its rows and its prompts' (a request of one token is in its prompt's call alone)."""
+        return self.rows + (self.prompts.rows if self.prompts else [])
+
 
 def _on_device(index: list[int], device: torch.device) -> torch.Tensor:
     """`index` as an int64 tensor on `device`, built with numpy and copied without waiting for the device."""
@@ -322,7 +327,7 @@ class Scheduler:
         self._drop_cancelled()
         self._drop_expired()
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and not any(s in self._live for s in ahead.rows + (ahead.prompts.rows if ahead.prompts else [])):
+        if ahead is not None and not any(s in self._live for s in ahead.every_row):
             ahead = None  # its rows all finished: its work on the device is left unread
         if ahead is None:  # else requests wait one step: this step's call is already running
             self._admit()
@@ -555,9 +560,8 @@ class Scheduler:
         before they reach the host, when `call` verified no drafts (each row emits one token) and the next step
         drafts for none of them (plain rows, or more rows than `spec_disable_rows`). Rows that certainly finish
         with `call` (max_tokens) are left out; those that stop on EOS or a stop word get a call whose result is
-        never read. With `separate_prefill`, requests waiting for a free slot are admitted on the way: their prompts
-        go in a call launched first, whose first tokens the next call takes as their input, so the device never waits for the host to
-        admit (`_complete` reads the prompts before the call)."""
+        never read. With `separate_prefill`, requests waiting for a free slot are admitted on the way
+        (`_prompts_ahead`), so the device does not wait for the host to admit them."""
         if not self._overlap or not set(self._live) <= set(call.rows):
             return None  # some live row is not in `call` (prefilled apart): the next step steps every row
         with self._cond:
@@ -576,31 +580,38 @@ class Scheduler:
         drafting_off = self._spec_disable_rows and len(rows) + len(incoming) > self._spec_disable_rows
         # after `call` (after its prompt, for a new row), a row may draft min(num_draft_tokens, max_tokens - output
         # tokens - 1) tokens
-        if not drafting_off and any(r.num_draft_tokens and r.max_tokens - len(o) > 2
-                                    for r, o in [(s.request, s.output_ids) for s in rows] + [(w.request, ()) for w in incoming]):
+        emitted = [(s.request, len(s.output_ids)) for s in rows] + [(w.request, 0) for w in incoming]
+        if not drafting_off and any(r.num_draft_tokens and r.max_tokens - n > 2 for r, n in emitted):
             return None
         token_ids = call.pending.next_ids  # [B, 1] on the device
         if len(rows) < len(call.rows):
             token_ids = token_ids.index_select(0, _on_device(index, token_ids.device))  # [B', 1]
-        prompts = None
-        if incoming:
-            new = self._admit(len(incoming))
-            prompts = self._launch_target(new, *self._target_batch(new), ahead=True) if new else None
-            index = [b for b, s in enumerate(new) if s.request.max_tokens > 1]  # the others finish with their prompt
-            if index:
-                new_ids = prompts.pending.next_ids  # [N, 1] on the device: each prompt's first token
-                if len(index) < len(new):
-                    new_ids = new_ids.index_select(0, _on_device(index, new_ids.device))  # [N', 1]
-                token_ids = torch.cat([token_ids, new_ids])  # [B' + N', 1]
-                rows += [new[b] for b in index]
+        prompts, new, new_ids = self._prompts_ahead(len(incoming)) if incoming else (None, [], None)
+        if new:
+            rows, token_ids = rows + new, torch.cat([token_ids, new_ids])  # [B' + N', 1]
         starts = [len(s.tokens) for s in rows]  # where the tokens `call` (or its prompt) emits go
         params = _next_params(call, rows)
         batch = TargetBatch(**params, token_ids=token_ids,  # host tensors over numpy: no torch op (transfers.py)
                             positions=torch.from_numpy(np.array(starts, dtype=np.int64).reshape(-1, 1)),  # [B', 1]
                             num_draft=torch.from_numpy(np.zeros(len(rows), dtype=np.int64)))  # [B']
-        launched = self._launch_target(rows, batch, starts, params, ahead=True)  # their pairs wait for a step that drafts
+        launched = self._launch_target(rows, batch, starts, params, ahead=True)  # pairs wait for a step that drafts
         launched.prompts = prompts
         return launched
+
+    def _prompts_ahead(self, count: int) -> tuple[_Launched | None, list[_Sequence], torch.Tensor | None]:
+        """Admit up to `count` waiting requests and launch their prompts in a call of their own, before the next
+        step's call over the decoding rows, which takes the first token of each prompt where this call leaves it
+        (`_complete` reads this call first). Returns the call, the new rows that go on decoding (a request of one
+        token finishes with its prompt) and their first tokens [N', 1] on the device."""
+        new = self._admit(count)
+        if not new:  # all cancelled while waiting
+            return None, [], None
+        prompts = self._launch_target(new, *self._target_batch(new), ahead=True)
+        index = [b for b, s in enumerate(new) if s.request.max_tokens > 1]
+        first_ids = prompts.pending.next_ids  # [N, 1]
+        if len(index) < len(new):
+            first_ids = first_ids.index_select(0, _on_device(index, first_ids.device)) if index else None  # [N', 1]
+        return prompts, [new[b] for b in index], first_ids
 
     def _chain_ahead(self, call: _Launched) -> _Launched | None:
         """The next chained call over `call`'s rows still live, launched with the window `call` drafts as its
