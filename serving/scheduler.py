@@ -332,7 +332,7 @@ class Scheduler:
         if ahead is None:  # else requests wait one step: this step's call is already running
             self._admit()
         live = list(self._live)
-        if ahead is not None:  # the previous step launched this one's call: live <= its rows, none drafts
+        if ahead is not None:  # the previous step launched this one's call: live <= its rows and its prompts', none drafts
             self._keep_waiting_pairs(live, [])
             self._guarded(live, lambda rows: self._complete(ahead))
         elif live:
@@ -417,12 +417,13 @@ class Scheduler:
 
     def _admit(self, limit: int | None = None) -> list[_Sequence]:
         """Give waiting requests free slots (at most `limit` taken from the queue); returns the new sequences."""
-        admitted = []
-        for _ in itertools.repeat(None) if limit is None else range(limit):
+        admitted, taken = [], 0
+        while limit is None or taken < limit:
             with self._cond:
                 if not self._waiting or self.slots.num_free == 0:
                     break
                 waiting = self._waiting.popleft()
+            taken += 1
             request, handle = waiting.request, waiting.handle
             if handle.is_cancelled():
                 self.metrics.finish("cancelled")
@@ -583,9 +584,11 @@ class Scheduler:
         emitted = [(s.request, len(s.output_ids)) for s in rows] + [(w.request, 0) for w in incoming]
         if not drafting_off and any(r.num_draft_tokens and r.max_tokens - n > 2 for r, n in emitted):
             return None
-        token_ids = call.pending.next_ids  # [B, 1] on the device
-        if len(rows) < len(call.rows):
+        token_ids = call.pending.next_ids  # [B, 1] on the device: maybe a graph's buffer, which the prompts' call
+        if len(rows) < len(call.rows):  # may write (`PendingTarget`): taken first
             token_ids = token_ids.index_select(0, _on_device(index, token_ids.device))  # [B', 1]
+        elif incoming:
+            token_ids = token_ids.clone()
         prompts, new, new_ids = self._prompts_ahead(len(incoming)) if incoming else (None, [], None)
         if new:
             rows, token_ids = rows + new, torch.cat([token_ids, new_ids])  # [B' + N', 1]

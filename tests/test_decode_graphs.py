@@ -300,6 +300,48 @@ def test_the_engine_over_graphed_workers_emits_what_it_emits_eager(drafting_chec
             assert graphed_logprobs == pytest.approx(eager_logprobs, abs=1e-5)
 
 
+@pytest.mark.parametrize("prompt_tokens", [10, 1])
+def test_a_request_admitted_while_calls_go_ahead_leaves_the_decoding_rows_tokens_alone(drafting_checkpoint,
+                                                                                       prompt_tokens):
+    """A request that arrives while a row decodes is admitted on the way: its prompt's call is launched before the
+    next decode call, and may replay the graph whose output buffer holds the decoding row's next input (a prompt
+    of 10 tokens arriving while the first one's prompt call is launched: the same prompt family; a prompt of one
+    token while the first row decodes: the same one-token graph). Both rows emit what they emit one call at a time
+    over eager workers."""
+    slots, max_draft = 4, 3
+    outputs = []
+    for graphed in (False, True):
+        config, target, mtp = load_checkpoint(drafting_checkpoint, max_slots=slots, max_seq_len=MAX_SEQ_LEN,
+                                              progress=False)
+        window = (target_graphs(target, slots, max_draft, torch.device("cpu"), graph=BufferedReplay, prefill_tokens=32)
+                  if graphed else verify_window(target))
+        hops = InProcessHops(TargetWorker(window, slots), DraftWorker(mtp, config.num_nextn_predict_layers, slots))
+        engine = Scheduler(hops, in_process_limits(config.vocab_size, slots, MAX_SEQ_LEN, max_draft, max_queue_size=8),
+                           overlap=graphed)
+        gen = torch.Generator().manual_seed(1)
+        first, second = (GenerationRequest(torch.randint(2, config.vocab_size, (n,), generator=gen).tolist(), 8)
+                         for n in (10, prompt_tokens))
+        handles = FinalResponse(), FinalResponse()
+        launch = hops.launch_target
+
+        def launch_then_submit(batch, *args):  # the second request arrives as the first call goes out
+            hops.launch_target = launch
+            pending = launch(batch, *args)
+            engine.submit(second, handles[1])
+            return pending
+
+        if prompt_tokens > 1:
+            hops.launch_target = launch_then_submit
+        engine.submit(first, handles[0])
+        if prompt_tokens == 1:
+            engine.step()
+            engine.step()
+            engine.submit(second, handles[1])
+        engine.run_until_idle()
+        outputs.append([h.final.output_ids for h in handles])
+    assert outputs[1] == outputs[0]
+
+
 class Broken(EagerReplay):
     """A replay whose logits are wrong, as a capture gone bad would give."""
 
