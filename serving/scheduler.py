@@ -332,7 +332,7 @@ class Scheduler:
         if ahead is None:  # else requests wait one step: this step's call is already running
             self._admit()
         live = list(self._live)
-        if ahead is not None:  # the previous step launched this one's call: live <= its rows and its prompts', none drafts
+        if ahead is not None:  # the previous step launched this one's call: live <= its rows and prompts', none drafts
             self._keep_waiting_pairs(live, [])
             self._guarded(live, lambda rows: self._complete(ahead))
         elif live:
