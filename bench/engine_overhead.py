@@ -34,11 +34,22 @@ back waits for them (--switch-interval-us sets sys.setswitchinterval, as spec_de
 
 --stream N streams the requests as served ones are: the checkpoint's tokenizer detokenizes every row's
 tokens, and a response per N tokens is built and converted to the arrays the server sends.
+
+--requests-per-prompt N makes each prompt a closed-loop stream, as bench/triton_bench.py's clients are: its
+next request is submitted when the previous one's final response is sent, N in all (the first one of stream i
+of S asks for (i + 1) / S of --max-tokens, so the streams' requests end at different steps, as served streams
+drift apart), so requests arrive while others decode. With --null-replays, prompts replay null prompt graphs
+too (`prefill_graph_tokens`: four prompts a call), so every step after the first costs the host's work alone; the result counts the target calls launched
+before the previous one was read (`calls_ahead`, the overlapped steps).
+
+    python -m bench.engine_overhead --checkpoint models/tiny-dsv3-mtp --graphs --null-replays --overlap \
+        --prompts 32 --prompt-tokens 128 --max-tokens 128 --requests-per-prompt 4 --draft-tokens 0 --stream 4
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import sys
 import threading
@@ -124,6 +135,7 @@ def run(args: argparse.Namespace) -> dict:
     max_seq_len = args.prompt_tokens + args.max_tokens + max(draft_counts) + 1
     moe = args.moe or default_moe_kind(device, DTYPES[args.dtype])
     max_slots = args.max_slots or len(prompts)
+    prompt_graph_tokens = 4 << (args.prompt_tokens - 1).bit_length() if args.requests_per_prompt > 1 else 0
     config, target, mtp = load_checkpoint(args.checkpoint, args.dtype, device, max_slots=max_slots,
                                           max_seq_len=max_seq_len, progress=False, moe=moe)
     limits = in_process_limits(config.vocab_size, max_slots, max_seq_len, max(draft_counts), len(prompts))
@@ -135,7 +147,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.graphs:  # as the served models wrap their steps
         max_draft = max(draft_counts)
         graph = NullReplay if args.null_replays else graphs.CapturedStep
-        window = graphs.target_graphs(target, len(prompts), max_draft, device, graph)
+        window = graphs.target_graphs(target, len(prompts), max_draft, device, graph,
+                                      prefill_tokens=prompt_graph_tokens if args.null_replays else 0)
         mtp_step = graphs.mtp_graphs(mtp, layers, len(prompts), max_draft, config.hidden_size, dtype, device, graph)
         chain = graphs.draft_chain_graphs(mtp, mtp_step, max_draft, graph)
         if args.overlap and not args.no_chain_graph:  # (a chained step's drafting is then in it, not timed apart)
@@ -149,7 +162,7 @@ def run(args: argparse.Namespace) -> dict:
                "max_slots": max_slots, "compile": args.compile, "null_replays": args.null_replays, "thread": args.thread, "moe": moe,
                "spec_disable_rows": args.spec_disable_rows, "stream": args.stream, "overlap": args.overlap,
                "gil_threads": args.gil_threads, "switch_interval_s": sys.getswitchinterval(),
-               "chain_graph": chained is not None,
+               "chain_graph": chained is not None, "requests_per_prompt": args.requests_per_prompt,
                "environment": environment(), "runs": {}}
     handle = _Drop()
     for k in draft_counts:
@@ -161,13 +174,20 @@ def run(args: argparse.Namespace) -> dict:
         engine = Scheduler(hops, limits, tokenizer=tokenizer if args.stream else None,
                            stream_interval=args.stream or 1, spec_disable_rows=args.spec_disable_rows,
                            overlap=args.overlap)
-        for prompt in prompts:
-            engine.submit(GenerationRequest(input_ids=prompt, max_tokens=args.max_tokens, num_draft_tokens=k,
-                                            stream=bool(args.stream)), handle)
+        for i, prompt in enumerate(prompts):
+            request = GenerationRequest(input_ids=prompt, max_tokens=args.max_tokens, num_draft_tokens=k,
+                                        stream=bool(args.stream))
+            first = request
+            if args.requests_per_prompt > 1:  # the streams drift apart from the start
+                first = dataclasses.replace(request, max_tokens=max(1, (i + 1) * args.max_tokens // len(prompts)))
+            engine.submit(first, _Resubmit(engine, request, args.requests_per_prompt - 1, handle))
         if args.null_replays:  # the prefill runs the model (eager): only the decode steps' host work is timed
             engine.step()
         timed_target.seconds = timed_mtp.seconds = 0.0
-        untimed_tokens, untimed_streamed = engine.metrics.counters["spec_decode_emitted_tokens"], handle.streamed
+        counters = engine.metrics.counters
+        untimed = {name: counters[name] for name in ("spec_decode_emitted_tokens", "spec_decode_calls_ahead",
+                                                     "spec_decode_hops")}
+        untimed_streamed = handle.streamed
         steps, start = 0, time.perf_counter()
 
         def loop() -> str:
@@ -196,13 +216,16 @@ def run(args: argparse.Namespace) -> dict:
         mtp_ms = 1e3 * timed_mtp.seconds / steps if timed_mtp.timed else None
         run_result = {"steps": steps, "step_ms": 1e3 * total / steps, "target_ms": target_ms, "mtp_ms": mtp_ms,
                       "engine_ms": 1e3 * (total - model) / steps,
-                      "tokens": engine.metrics.counters["spec_decode_emitted_tokens"] - untimed_tokens,
+                      "tokens": counters["spec_decode_emitted_tokens"] - untimed["spec_decode_emitted_tokens"],
+                      "calls_ahead": counters["spec_decode_calls_ahead"] - untimed["spec_decode_calls_ahead"],
+                      "hops": counters["spec_decode_hops"] - untimed["spec_decode_hops"],
                       "streamed_responses": handle.streamed - untimed_streamed,  # before the final ones
                       "stepped_on": stepped_on,
                       "profiled": bool(args.profile) and k == draft_counts[-1]}  # timings then include the profiler's
         results["runs"][str(k)] = run_result
         print(f"k={k}: {steps} steps, {run_result['step_ms']:.2f} ms/step ({run_result['tokens'] / steps:.2f} tokens) = "
-              f"target {_ms(target_ms)} + mtp {_ms(mtp_ms)} + engine {run_result['engine_ms']:.2f}", flush=True)
+              f"target {_ms(target_ms)} + mtp {_ms(mtp_ms)} + engine {run_result['engine_ms']:.2f}; "
+              f"{run_result['calls_ahead']} of {run_result['hops']} hops launched ahead", flush=True)
     if args.out:
         write_result(args.out, results)
     return results
@@ -226,6 +249,26 @@ class _Drop:
 
     def send_error(self, message: str) -> None:
         self.errors.append(message)
+
+    def is_cancelled(self) -> bool:
+        return False
+
+
+class _Resubmit:
+    """A closed-loop stream's handle: sends go to `handle`, and a final response submits the request again while
+    `remaining` are left."""
+
+    def __init__(self, engine: Scheduler, request: GenerationRequest, remaining: int, handle: _Drop) -> None:
+        self.engine, self.request, self.remaining, self.handle = engine, request, remaining, handle
+
+    def send(self, response, final: bool) -> None:
+        self.handle.send(response, final)
+        if final and self.remaining:
+            self.remaining -= 1
+            self.engine.submit(self.request, self)
+
+    def send_error(self, message: str) -> None:
+        self.handle.send_error(message)
 
     def is_cancelled(self) -> bool:
         return False
@@ -264,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                              "response threads)")
     parser.add_argument("--switch-interval-us", type=float,
                         help="sys.setswitchinterval, as spec_decode's switch_interval_us sets it (default: Python's)")
+    parser.add_argument("--requests-per-prompt", type=int, default=1, metavar="N",
+                        help="each prompt a closed-loop stream of N requests: requests arrive while others decode")
     parser.add_argument("--profile", help="write the op table of the last k's run to this file")
     parser.add_argument("--out", help="result JSON file")
     args = parser.parse_args(argv)
