@@ -98,7 +98,10 @@ def test_bad_usage_exits_2(capsys):
 def test_streams_as_text_arrives_and_ctrl_c_cancels_the_request(server):
     command = [sys.executable, "-m", "triton_mtp.cli", "generate", "hi", "--url", server.grpc_url,
                "--max-tokens", str(LONG), "--stream"]
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
+    # SIGINT at its default in the client: a test run started in the background without job control has it
+    # ignored, and a child process inherits that
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) as process:
         first = process.stdout.read(8)  # arrives while the request is still running
         assert len(first) == 8 and process.poll() is None
         assert gauge(server, LIVE) == 1
