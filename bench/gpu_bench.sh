@@ -14,6 +14,11 @@
 #               0,0,3), on the main thread and on a second thread (--thread; BENCH_ENGINE_WHERE="main" or "thread" for
 #               one): $OUT/engine/served_shape_{main,thread}.json; with BENCH_ENGINE_PROFILE=1 also torch.profiler's op
 #               table of the last k's run (then timed under the profiler) as served_shape_{main,thread}_ops.txt
+#   engine_arrivals  (only when BENCH_ONLY names it) bench/engine_overhead.py with requests arriving: 32 closed-loop
+#               streams of BENCH_ARRIVALS requests (default 4), streamed every 4 tokens, overlapped, stepping on a
+#               second thread, graphed (compiled with BENCH_COMPILE=1; null replays on CPU); with
+#               BENCH_ENGINE_CODE=DIR, in turns with DIR's engine (an earlier commit's tree), BENCH_ENGINE_ROUNDS
+#               rounds (default 2): $OUT/engine/arrivals_{this,code}_<round>.json
 #   load_time   (on a GPU, only when BENCH_ONLY names it) bench/load_time.py: seconds to a ready server whose
 #               graphs capture compiled steps (--compile-graphs, local hops), with and without the compile
 #               cache the export ships: $OUT/load_time.json
@@ -223,6 +228,36 @@ if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" engine_thread "* ]]; the
             --device cuda --dtype "$dtype" --graphs "${compiled[@]}" --overlap "${thread[@]}" --prompts 1 --max-slots 64 \
             --prompt-tokens "$prompt_tokens" --max-tokens "$max_tokens" --draft-tokens "${BENCH_ENGINE_DRAFTS:-0,0,3}" \
             "${moe_args[@]}" "${profile[@]}" --out "$OUT/engine/served_shape_$where.json"
+    done
+fi
+if [[ " ${BENCH_ONLY:-} " == *" engine_arrivals "* ]]; then  # on request: requests arriving, in process; with
+    # BENCH_ENGINE_CODE=DIR also the engine of DIR's tree (`git archive <commit> | tar -x -C DIR`), in turns
+    mkdir -p "$OUT/engine"
+    trees=(this)
+    if [ -n "${BENCH_ENGINE_CODE:-}" ]; then  # DIR's packages through a shim like the project's (this tree's bench)
+        code_shim=$work/code_shim
+        mkdir -p "$code_shim/triton_mtp"
+        for f in "$BENCH_ENGINE_CODE"/triton_mtp/*.py; do ln -s "$f" "$code_shim/triton_mtp/"; done
+        for pkg in export serving client train model_repository; do
+            ln -s "$BENCH_ENGINE_CODE/$pkg" "$code_shim/triton_mtp/$pkg"
+        done
+        ln -s "$repo/bench" "$code_shim/triton_mtp/bench"
+        trees+=(code)
+    fi
+    replays=(--graphs)
+    [ "$device" = cpu ] && replays=(--graphs --null-replays)
+    [ "${BENCH_COMPILE:-0}" = 1 ] && [ "$device" = cuda ] && replays+=(--compile)
+    for round in $(seq "${BENCH_ENGINE_ROUNDS:-2}"); do
+        for tree in "${trees[@]}"; do
+            from=$shim
+            [ "$tree" = code ] && from=$code_shim
+            # from inside its shim: `python -m` puts the working directory first on the path
+            stage engine_arrivals "${BENCH_ENGINE_S:-90}" bash -c 'cd "$0" && PYTHONPATH="$0" exec "$@"' "$from" \
+                python -m triton_mtp.bench.engine_overhead --checkpoint "$checkpoint" --device "$device" \
+                --dtype "$dtype" "${replays[@]}" --overlap --thread --prompts 32 --max-slots 64 \
+                --prompt-tokens "$prompt_tokens" --max-tokens "$max_tokens" --requests-per-prompt "${BENCH_ARRIVALS:-4}" \
+                --draft-tokens 0 --stream 4 "${moe_args[@]}" --out "$OUT/engine/arrivals_${tree}_$round.json"
+        done
     done
 fi
 if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" compile_parity "* ]]; then  # on request: minutes of compiling
