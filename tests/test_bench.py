@@ -273,6 +273,24 @@ def test_null_replays_run_each_step_once_and_time_the_decode_steps_alone(tmp_pat
     assert refused.returncode != 0 and "--graphs needs --device cuda" in refused.stderr
 
 
+def test_closed_loop_streams_resubmit_and_every_call_goes_ahead(tmp_path):
+    """engine_overhead --requests-per-prompt: each prompt a stream of that many requests, the first ones asking for
+    fewer tokens so the streams end apart; with null prompt graphs and overlap, every target call after the first
+    step, the prompts' calls of requests arriving mid-run included, is launched before the previous one is read."""
+    out = tmp_path / "arrivals.json"
+    done = run_module("bench.engine_overhead", "--checkpoint", str(REPO / "models" / "tiny-dsv3-mtp"), "--graphs",
+                      "--null-replays", "--prompts", "4", "--max-slots", "4", "--prompt-tokens", "8", "--max-tokens", "8",
+                      "--draft-tokens", "0", "--overlap", "--requests-per-prompt", "3", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    run = result["runs"]["0"]
+    assert result["requests_per_prompt"] == 3
+    # 4 streams: a first request of 2, 4, 6 and 8 tokens, then two of 8 each; the first step's 4 tokens untimed
+    assert run["tokens"] == (2 + 4 + 6 + 8) + 4 * 2 * 8 - 4
+    assert run["hops"] > run["steps"]  # prompts of arriving requests in calls of their own
+    assert run["calls_ahead"] == run["hops"]
+
+
 def test_chain_check_finds_the_chain_graph_agreeing(drafting_checkpoint, tmp_path):
     """On CPU with stand-in graphs: every case agrees across the three sets of workers, and the chained calls
     replayed the chain graph (a GPU run checks the capture the same way)."""
