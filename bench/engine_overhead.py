@@ -39,8 +39,8 @@ tokens, and a response per N tokens is built and converted to the arrays the ser
 next request is submitted when the previous one's final response is sent, N in all (the first one of stream i
 of S asks for (i + 1) / S of --max-tokens, so the streams' requests end at different steps, as served streams
 drift apart), so requests arrive while others decode. With --null-replays, prompts replay null prompt graphs
-too (`prefill_graph_tokens`: four prompts a call), so every step after the first costs the host's work alone; the result counts the target calls launched
-before the previous one was read (`calls_ahead`, the overlapped steps).
+too (`prefill_graph_tokens`: four prompts a call), so every step after the first costs the host's work alone.
+The result counts the target calls launched before the previous one was read (`calls_ahead`: overlapped).
 
     python -m bench.engine_overhead --checkpoint models/tiny-dsv3-mtp --graphs --null-replays --overlap \
         --prompts 32 --prompt-tokens 128 --max-tokens 128 --requests-per-prompt 4 --draft-tokens 0 --stream 4
