@@ -135,7 +135,6 @@ def run(args: argparse.Namespace) -> dict:
     max_seq_len = args.prompt_tokens + args.max_tokens + max(draft_counts) + 1
     moe = args.moe or default_moe_kind(device, DTYPES[args.dtype])
     max_slots = args.max_slots or len(prompts)
-    prompt_graph_tokens = 4 << (args.prompt_tokens - 1).bit_length() if args.requests_per_prompt > 1 else 0
     config, target, mtp = load_checkpoint(args.checkpoint, args.dtype, device, max_slots=max_slots,
                                           max_seq_len=max_seq_len, progress=False, moe=moe)
     limits = in_process_limits(config.vocab_size, max_slots, max_seq_len, max(draft_counts), len(prompts))
@@ -147,8 +146,9 @@ def run(args: argparse.Namespace) -> dict:
     if args.graphs:  # as the served models wrap their steps
         max_draft = max(draft_counts)
         graph = NullReplay if args.null_replays else graphs.CapturedStep
+        arriving = args.null_replays and args.requests_per_prompt > 1  # prompts mid-run: null too, four a call
         window = graphs.target_graphs(target, len(prompts), max_draft, device, graph,
-                                      prefill_tokens=prompt_graph_tokens if args.null_replays else 0)
+                                      prefill_tokens=4 << (args.prompt_tokens - 1).bit_length() if arriving else 0)
         mtp_step = graphs.mtp_graphs(mtp, layers, len(prompts), max_draft, config.hidden_size, dtype, device, graph)
         chain = graphs.draft_chain_graphs(mtp, mtp_step, max_draft, graph)
         if args.overlap and not args.no_chain_graph:  # (a chained step's drafting is then in it, not timed apart)

@@ -94,10 +94,14 @@ cleanup() { [ -n "$pth" ] && rm -f "$pth"; rm -rf "$work"; }
 trap cleanup EXIT
 
 # ---- the project, tritonclient and tritonserver, importable without installing -----------------------
+make_shim() {  # make_shim DIR TREE: DIR/triton_mtp laid out as the installed package, of TREE's code (this bench)
+    mkdir -p "$1/triton_mtp"
+    for f in "$2"/triton_mtp/*.py; do ln -s "$f" "$1/triton_mtp/"; done
+    for pkg in export serving client train model_repository; do ln -s "$2/$pkg" "$1/triton_mtp/$pkg"; done
+    ln -s "$repo/bench" "$1/triton_mtp/bench"
+}
 shim=$work/shim
-mkdir -p "$shim/triton_mtp"
-for f in "$repo"/triton_mtp/*.py; do ln -s "$f" "$shim/triton_mtp/"; done
-for pkg in export serving client train model_repository bench; do ln -s "$repo/$pkg" "$shim/triton_mtp/$pkg"; done
+make_shim "$shim" "$repo"
 ln -s "$repo/bench" "$shim/bench"
 export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"
 cd "$shim"  # from the repository root, `python -m` would import its bare triton_mtp/ folder, not the shim
@@ -236,12 +240,7 @@ if [[ " ${BENCH_ONLY:-} " == *" engine_arrivals "* ]]; then  # on request: reque
     trees=(this)
     if [ -n "${BENCH_ENGINE_CODE:-}" ]; then  # DIR's packages through a shim like the project's (this tree's bench)
         code_shim=$work/code_shim
-        mkdir -p "$code_shim/triton_mtp"
-        for f in "$BENCH_ENGINE_CODE"/triton_mtp/*.py; do ln -s "$f" "$code_shim/triton_mtp/"; done
-        for pkg in export serving client train model_repository; do
-            ln -s "$BENCH_ENGINE_CODE/$pkg" "$code_shim/triton_mtp/$pkg"
-        done
-        ln -s "$repo/bench" "$code_shim/triton_mtp/bench"
+        make_shim "$code_shim" "$BENCH_ENGINE_CODE"
         trees+=(code)
     fi
     replays=(--graphs)

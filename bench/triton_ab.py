@@ -30,7 +30,7 @@ from triton_mtp.export.cli import at_least
 from .common import environment, held_out_prompts, write_result
 from .triton_bench import MODEL, STOP_GRACE_S, run_level
 
-_PARAMETER = r'(key: "{key}", value: {{ string_value: )"[^"]*"'
+_PARAMETER = r'(key: "{key}", value: {{ string_value: )"([^"]*)"'
 CODE = "code"  # change key: serve the model with the project's code from another tree (an earlier commit's)
 
 
@@ -102,7 +102,8 @@ def ab_repository(repository: Path, changes: list[str], directory: Path) -> dict
     for i, change in enumerate(changes):
         name = f"{MODEL}_ab{i}"
         code = parsed_change(change).get(CODE)
-        if code and 'key: "hops", value: { string_value: "local" }' not in config:
+        hops = re.search(_PARAMETER.format(key="hops"), config)
+        if code and (hops is None or hops[2] != "local"):
             raise ValueError(f"change {change!r}: {CODE} needs an export --hops local (with BLS hops the target and "
                              "mtp models would still run the export's code)")
         (directory / name).mkdir()

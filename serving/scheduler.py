@@ -206,6 +206,12 @@ def _row_params(rows: list[_Sequence], new: list[bool]) -> dict[str, torch.Tenso
     }
 
 
+def _drafts_after(request: GenerationRequest, emitted: int) -> bool:
+    """Whether a row with `emitted` output tokens drafts in the call after the one in flight, which emits one more:
+    it may draft min(num_draft_tokens, max_tokens - (emitted + 1) - 1) tokens (`_Sequence.num_draft`)."""
+    return request.num_draft_tokens > 0 and request.max_tokens - emitted > 2
+
+
 def _next_params(call: _Launched, rows: list[_Sequence]) -> dict[str, torch.Tensor]:
     """`_row_params` of a call launched after `call` over `rows` (none new): `call`'s own when its rows are the
     same and none was new in it, as from one decode step to the next, which saves building them per step."""
@@ -470,12 +476,13 @@ class Scheduler:
         self._complete(self._launch_target(rows, batch, starts, params, ahead=False))
 
     def _launch_target(self, rows: list[_Sequence], batch: TargetBatch, starts: list[int],
-                       params: dict[str, torch.Tensor] | None, ahead: bool) -> _Launched:
+                       params: dict[str, torch.Tensor] | None, ahead: bool,
+                       prompts: _Launched | None = None) -> _Launched:
         hidden = any(s.request.num_draft_tokens for s in rows)  # rows that pend MTP pairs need the hidden states
         pending = self._timed("target", self._hops.launch_target, batch, hidden)
         self.metrics.hop()
         self.metrics.launched(chained=False, ahead=ahead)
-        return _Launched(pending, rows, starts, params)
+        return _Launched(pending, rows, starts, params, prompts=prompts)
 
     def _target_batch(self, rows: list[_Sequence]) -> tuple[TargetBatch, list[int], dict[str, torch.Tensor] | None]:
         """A target call's batch over `rows` (prompts whole, decoding rows their window), where each row's first
@@ -563,7 +570,8 @@ class Scheduler:
         with `call` (max_tokens) are left out; those that stop on EOS or a stop word get a call whose result is
         never read. With `separate_prefill`, requests waiting for a free slot are admitted on the way
         (`_prompts_ahead`), so the device does not wait for the host to admit them."""
-        if not self._overlap or not set(self._live) <= set(call.rows):
+        live = set(self._live)
+        if not self._overlap or not live <= set(call.rows):
             return None  # some live row is not in `call` (prefilled apart): the next step steps every row
         with self._cond:
             incoming = list(itertools.islice(self._waiting, self.slots.num_free))
@@ -573,16 +581,14 @@ class Scheduler:
             return self._chain_ahead(call)
         if any(s.drafts for s in call.rows):
             return None
-        live = set(self._live)  # a row that finished is left out: its slot may be given to a new row here
+        # a row that finished is left out: its slot may be given to a new row here
         index = [b for b, s in enumerate(call.rows) if s in live and len(s.output_ids) + 1 < s.request.max_tokens]
         rows = [call.rows[b] for b in index]
         if not rows:
             return None
         drafting_off = self._spec_disable_rows and len(rows) + len(incoming) > self._spec_disable_rows
-        # after `call` (after its prompt, for a new row), a row may draft min(num_draft_tokens, max_tokens - output
-        # tokens - 1) tokens
-        emitted = [(s.request, len(s.output_ids)) for s in rows] + [(w.request, 0) for w in incoming]
-        if not drafting_off and any(r.num_draft_tokens and r.max_tokens - n > 2 for r, n in emitted):
+        if not drafting_off and (any(_drafts_after(s.request, len(s.output_ids)) for s in rows)
+                                 or any(_drafts_after(w.request, 0) for w in incoming)):
             return None
         token_ids = call.pending.next_ids  # [B, 1] on the device: maybe a graph's buffer, which the prompts' call
         if len(rows) < len(call.rows):  # may write (`PendingTarget`): taken first
@@ -597,9 +603,7 @@ class Scheduler:
         batch = TargetBatch(**params, token_ids=token_ids,  # host tensors over numpy: no torch op (transfers.py)
                             positions=torch.from_numpy(np.array(starts, dtype=np.int64).reshape(-1, 1)),  # [B', 1]
                             num_draft=torch.from_numpy(np.zeros(len(rows), dtype=np.int64)))  # [B']
-        launched = self._launch_target(rows, batch, starts, params, ahead=True)  # pairs wait for a step that drafts
-        launched.prompts = prompts
-        return launched
+        return self._launch_target(rows, batch, starts, params, ahead=True, prompts=prompts)  # pairs wait for drafting
 
     def _prompts_ahead(self, count: int) -> tuple[_Launched | None, list[_Sequence], torch.Tensor | None]:
         """Admit up to `count` waiting requests and launch their prompts in a call of their own, before the next
