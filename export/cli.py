@@ -55,6 +55,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--prefill-graph-tokens", type=at_least(0), default=256, metavar="N",
                         help="with CUDA graphs: prompt calls of up to N tokens (rows x padded prompt length) "
                         "replay graphs too, in power-of-two widths from 16; 0 runs prompts eager (default: 256)")
+    parser.add_argument("--decode-steps", type=at_least(1), default=1, metavar="N",
+                        help="--hops local: a call over greedy rows without drafts runs N target steps, one graph "
+                        "replay for N tokens of every row (multi-step decoding; default: 1)")
     parser.add_argument("--response-threads", type=at_least(0), default=0, metavar="N",
                         help="spec_decode sends streamed responses from N threads while the next step runs; "
                         "0 sends them from the engine's step (default: 0)")
@@ -99,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
                             "max_output_tokens": args.max_output_tokens, "request_timeout_s": args.request_timeout},
             eager_compile=not args.no_compile, cuda_graphs=not args.no_cuda_graphs, compile_graphs=args.compile_graphs,
             prefill_graph_tokens=args.prefill_graph_tokens,
+            decode_steps=args.decode_steps,
             response_threads=args.response_threads,
             response_lag_steps=args.response_lag_steps,
             stream_interval=args.stream_interval,

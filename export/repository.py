@@ -66,6 +66,7 @@ def write_repository(
     cuda_graphs: bool = True,
     compile_graphs: bool = False,
     prefill_graph_tokens: int = 256,
+    decode_steps: int = 1,
     response_threads: int = 0,
     response_lag_steps: int = 0,
     stream_interval: int = 1,
@@ -87,7 +88,8 @@ def write_repository(
     tokens, max_tokens cap, request timeout). `cuda_graphs` lets the `target` and `mtp` models on CUDA
     replay decode-time calls from captured graphs (serving/graphs.py), captured over torch.compile'd steps
     with `compile_graphs`, and prompt calls of up to `prefill_graph_tokens` tokens too (0: prompts run
-    eager). `response_threads` > 0 makes `spec_decode` send streamed responses from that
+    eager). `decode_steps` N > 1 (local hops) lets a call over greedy rows without drafts run N target steps, one
+    graph replay for N tokens of every row (multi-step decoding). `response_threads` > 0 makes `spec_decode` send streamed responses from that
     many threads (serving/responses.py), the engine waiting after each target call it reads for the
     responses queued `response_lag_steps` + 1 calls before; `stream_interval`, `spec_disable_rows`, `overlap` and
     `separate_prefill` are the scheduler's (serving/scheduler.py). `switch_interval_us` > 0 sets the
@@ -111,6 +113,9 @@ def write_repository(
         raise ValueError(f"spec_disable_rows: must be >= 0, got {spec_disable_rows}")
     if prefill_graph_tokens < 0:
         raise ValueError(f"prefill_graph_tokens: must be >= 0, got {prefill_graph_tokens}")
+    if decode_steps < 1 or decode_steps > 1 and hops != "local":
+        raise ValueError(f"decode_steps: must be 1, or more with --hops local (the engine's own workers), "
+                         f"got {decode_steps} with hops {hops}")
     if switch_interval_us < 0:
         raise ValueError(f"switch_interval_us: must be >= 0, got {switch_interval_us}")
     if hops == "local" and tensor_parallel > 1:
@@ -172,6 +177,7 @@ def write_repository(
         "cuda_graphs": "true" if cuda_graphs else "false",
         "compile_graphs": "true" if compile_graphs else "false",
         "prefill_graph_tokens": prefill_graph_tokens,
+        "decode_steps": decode_steps,
         "response_threads": response_threads,
         "response_lag_steps": response_lag_steps,
         "stream_interval": stream_interval,

@@ -45,7 +45,7 @@ import torch
 
 from triton_mtp.serving.requests import flag_parameter
 from triton_mtp.serving.transfers import TO_DEVICE, to_device
-from triton_mtp.serving.workers import chained_draft, draft_chain, verify_window
+from triton_mtp.serving.workers import chained_draft, draft_chain, multi_step, verify_window
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 Step = Callable[..., tuple[torch.Tensor, ...]]
@@ -358,7 +358,34 @@ def prefill_widths(width: int, prefill_tokens: int) -> list[int]:
     return [w for w in (1 << i for i in range(4, max(prefill_tokens, 1).bit_length())) if width < w <= prefill_tokens]
 
 
-class GraphedTarget(_GraphedStep):
+class _GraphedWindow(_GraphedStep):
+    """A window step of the target (`workers.WindowStep`) with graphs by family: `place` puts a call's inputs where
+    the graph it replays reads them."""
+
+    inputs = (TOKEN_IDS, POSITIONS, SLOT_IDS, NUM_DRAFT)
+
+    def family(self, B: int, T: int) -> int | None:
+        """The family that a call of B rows of T tokens replays, None for none (it runs eager)."""
+        raise NotImplementedError
+
+    def place(self, token_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
+              num_draft: torch.Tensor) -> list[torch.Tensor]:
+        """A call's inputs (host or device tensors) on the device: written into the static inputs of the graph
+        the call replays, which it then copies nothing into (pass the tensors returned), or moved
+        (`transfers.to_device`) for a call that runs eager. Valid until the next call."""
+        B, T = token_ids.shape
+        key = self.family(B, T)
+        if key is None:
+            return to_device([token_ids, positions, slot_ids, num_draft], self.device)
+        graph = self._graph(key, B)
+        given = (token_ids, positions, slot_ids, num_draft)
+        self._write(graph, given)
+        self._placed = [_leading(static, B, T if spec.per_token else None)
+                        for spec, static in zip(self.inputs, graph.inputs)]
+        return self._placed
+
+
+class GraphedTarget(_GraphedWindow):
     """A `workers.verify_window` step with graphs for B <= max_batch rows of one token or of T <= width
     tokens, and, with `prefill_tokens`, for prompts: calls of B rows of T <= P tokens (P a power of two
     `prefill_widths` gives) where B·P <= prefill_tokens. The family key is its width.
@@ -370,8 +397,6 @@ class GraphedTarget(_GraphedStep):
     (docs/benchmarks.md, run 29: 9% of the engine thread's time at 32 streams), and shortens the time to
     first token; its padding runs through the model like any other token.
     """
-
-    inputs = (TOKEN_IDS, POSITIONS, SLOT_IDS, NUM_DRAFT)
 
     def __init__(self, window: Step, max_batch: int, width: int, device: torch.device,
                  graph: Callable[..., Step] = CapturedStep, prefill_tokens: int = 0) -> None:
@@ -387,7 +412,6 @@ class GraphedTarget(_GraphedStep):
         return self._prompt_buckets.get(key, self.buckets)
 
     def family(self, B: int, T: int) -> int | None:
-        """The family that a call of B rows of T tokens replays, None for none (it runs eager)."""
         if T <= self.width:
             return (1 if T == 1 else self.width) if 0 < B <= self.buckets[-1] else None
         return next((w for w in self.prefill if T <= w and B <= self._buckets(w)[-1]), None)
@@ -434,22 +458,6 @@ class GraphedTarget(_GraphedStep):
         off = f"; prompt graphs off, prompts run eager: {self.prefill_off}" if self.prefill_off else ""
         return super().captured() + prompts + off
 
-    def place(self, token_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
-              num_draft: torch.Tensor) -> list[torch.Tensor]:
-        """A call's inputs (host or device tensors) on the device: written into the static inputs of the graph
-        the call replays, which it then copies nothing into (pass the tensors returned), or moved
-        (`transfers.to_device`) for a call that runs eager. Valid until the next call."""
-        B, T = token_ids.shape
-        key = self.family(B, T)
-        if key is None:
-            return to_device([token_ids, positions, slot_ids, num_draft], self.device)
-        graph = self._graph(key, B)
-        given = (token_ids, positions, slot_ids, num_draft)
-        self._write(graph, given)
-        self._placed = [_leading(static, B, T if spec.per_token else None)
-                        for spec, static in zip(self.inputs, graph.inputs)]
-        return self._placed
-
     def __call__(self, token_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
                  num_draft: torch.Tensor, K: int, greedy: bool = True) -> tuple[torch.Tensor, ...]:
         """As `verify_window`'s step; a replay computes the greedy verification whatever `greedy` says, and its
@@ -463,6 +471,38 @@ class GraphedTarget(_GraphedStep):
         return (_leading(window_logits, B, K + 1), _leading(draft_ids, B, K), _leading(num_accepted, B),
                 _leading(output_ids, B, K + 1), _leading(logprobs, B, K + 1), _leading(hidden, B, T),
                 _leading(results, B))
+
+
+class GraphedSteps(_GraphedWindow):
+    """`workers.multi_step` over the target: N greedy one-token calls in a row, one graph per bucket (multi-step
+    decoding: one replay's host work for N tokens of every row), captured in the target graphs' pool. The family key
+    is N. Calls of more rows than the largest bucket run `fallback`, N one-token replays of the target's graphs."""
+
+    def __init__(self, steps: Step, fallback: Step, count: int, max_batch: int, device: torch.device,
+                 graph: Callable[..., Step] = CapturedStep, pool=None) -> None:
+        super().__init__(steps, max_batch, 1, device, [count], None, graph, pool)
+        self.fallback, self.count = fallback, count
+
+    def family(self, B: int, T: int) -> int | None:
+        return self.count if T == 1 and 0 < B <= self.buckets[-1] else None
+
+    def _bound(self, key: int | None) -> Step:
+        return lambda *inputs: self.step(*inputs, 0, True)[1:]  # (window_logits is None: no row samples)
+
+    def name(self, key: int | None = None) -> str:
+        return f"the {self.count}-step target"
+
+    def captured(self) -> str:
+        return f"batch sizes {self.buckets} x {self.count} one-token steps"
+
+    def __call__(self, token_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
+                 num_draft: torch.Tensor, K: int = 0, greedy: bool = True) -> tuple[torch.Tensor | None, ...]:
+        """As `workers.multi_step`'s step."""
+        B = token_ids.shape[0]
+        if self.family(B, token_ids.shape[1]) is None:
+            return self.fallback(token_ids, positions, slot_ids, num_draft, K, greedy)
+        outputs = self._replay(self.count, (token_ids, positions, slot_ids, num_draft))
+        return (None, *(_leading(x, B) for x in outputs))
 
 
 class GraphedMTP(_GraphedStep):
@@ -590,6 +630,14 @@ def target_graphs(runner: Step, max_batch: int, max_draft: int, device: torch.de
     """The served target's decode graphs: `workers.verify_window` over `runner`, up to the verify window
     of `max_draft` drafts, and prompt calls of up to `prefill_tokens` tokens."""
     return GraphedTarget(verify_window(runner), max_batch, target_width(max_draft), device, graph, prefill_tokens)
+
+
+def steps_graphs(target: GraphedTarget, runner: Step, count: int,
+                 graph: Callable[..., Step] = CapturedStep) -> GraphedSteps:
+    """`count` greedy one-token target steps a replay (`workers.multi_step` over `runner`, the target step that
+    `target`'s graphs wrap), in `target`'s memory pool, falling back to `count` replays of `target`'s graphs."""
+    return GraphedSteps(multi_step(verify_window(runner), count), multi_step(target, count), count, target.buckets[-1],
+                        target.device, graph, target.pool)
 
 
 def mtp_graphs(runner: Step, num_layers: int, max_batch: int, max_draft: int, hidden_size: int,

@@ -25,6 +25,8 @@ scheduler, vLLM's async scheduling). Rows that finish meanwhile leave that call'
 Where the hops also `chain`, a step whose rows all decode greedily with drafts verifies them and drafts
 the next window on the device in one launch (the pairs it accepts go to the MTP from where they are):
 the next step needs no mtp hop, and its call can go ahead in the same way before this one is read.
+Where the hops run `decode_steps` N > 1, a call over rows that all decode greedily without drafts runs N
+target steps (vLLM's multi-step scheduling): each row emits N tokens, cut at EOS or max_tokens as any window.
 The loop is pb_utils-free: hops and response senders come in through small protocols.
 """
 from __future__ import annotations
@@ -53,12 +55,14 @@ class Hops(Protocol):
     """The two calls a step makes; each is one process hop when served by Triton. `overlaps`: whether
     `launch_target` returns before the device has run the call, so that another can be launched first.
     `hidden`: whether the result carries the hidden states (some row pends MTP pairs). `chains`: whether
-    `launch_chained` is offered (a greedy verify that drafts the next window on the device)."""
+    `launch_chained` is offered (a greedy verify that drafts the next window on the device). `decode_steps`:
+    how many target steps a call over greedy one-token rows may run (`launch_target`'s `steps`, 1 or it)."""
 
     overlaps: bool
     chains: bool
+    decode_steps: int
 
-    def launch_target(self, batch: TargetBatch, hidden: bool = True) -> PendingTarget: ...
+    def launch_target(self, batch: TargetBatch, hidden: bool = True, steps: int = 1) -> PendingTarget: ...
     def launch_chained(self, batch: TargetBatch) -> PendingTarget: ...
     def mtp(self, batch: DraftBatch) -> DraftResult: ...
 
@@ -175,6 +179,7 @@ class _Launched:
     params: dict[str, torch.Tensor] | None  # its rows' `_row_params` when none was new: the next call reuses them
     chained: bool = False
     prompts: _Launched | None = None  # launched just before it: the prompts of its new rows, read first
+    steps: int = 1  # target steps it runs: each row emits this many tokens (multi-step decoding), or its window's
 
     @property
     def every_row(self) -> list[_Sequence]:
@@ -259,6 +264,7 @@ class Scheduler:
         self._overlap = overlap and hops.overlaps
         self._chain = self._overlap and hops.chains
         self._separate_prefill = separate_prefill and self._overlap
+        self._decode_steps = hops.decode_steps
         self._ahead: _Launched | None = None  # the next step's target call, launched by this one
         self._cancel_checked_at = -float("inf")
         self.metrics = metrics or EngineMetrics(limits.max_draft_tokens)
@@ -473,16 +479,27 @@ class Scheduler:
         if self._chains(rows, [len(s.drafts) + 1 for s in rows]):
             self._complete(self._launch_chained(rows, batch, params, starts, ahead=False))
             return
-        self._complete(self._launch_target(rows, batch, starts, params, ahead=False))
+        steps = self._steps(rows, starts) if all(s.prefilled and not s.drafts for s in rows) else 1
+        self._complete(self._launch_target(rows, batch, starts, params, ahead=False, steps=steps))
+
+    def _steps(self, rows: list[_Sequence], starts: list[int]) -> int:
+        """Target steps of a call over `rows`, one token each at positions `starts`, none drafting: `decode_steps`
+        where every row decodes greedily and the positions it writes fit its KV cache (max_seq_len), else 1. A row
+        may need fewer tokens: those past max_tokens or EOS are cut (`_emit`)."""
+        n = self._decode_steps
+        if n > 1 and all(s.request.temperature < GREEDY_TEMPERATURE and start + n <= self._limits.max_seq_len
+                         for s, start in zip(rows, starts)):
+            return n
+        return 1
 
     def _launch_target(self, rows: list[_Sequence], batch: TargetBatch, starts: list[int],
                        params: dict[str, torch.Tensor] | None, ahead: bool,
-                       prompts: _Launched | None = None) -> _Launched:
+                       prompts: _Launched | None = None, steps: int = 1) -> _Launched:
         hidden = any(s.request.num_draft_tokens for s in rows)  # rows that pend MTP pairs need the hidden states
-        pending = self._timed("target", self._hops.launch_target, batch, hidden)
+        pending = self._timed("target", self._hops.launch_target, batch, hidden, steps)
         self.metrics.hop()
         self.metrics.launched(chained=False, ahead=ahead)
-        return _Launched(pending, rows, starts, params, prompts=prompts)
+        return _Launched(pending, rows, starts, params, prompts=prompts, steps=steps)
 
     def _target_batch(self, rows: list[_Sequence]) -> tuple[TargetBatch, list[int], dict[str, torch.Tensor] | None]:
         """A target call's batch over `rows` (prompts whole, decoding rows their window), where each row's first
@@ -582,12 +599,13 @@ class Scheduler:
         if any(s.drafts for s in call.rows):
             return None
         # a row that finished is left out: its slot may be given to a new row here
-        index = [b for b, s in enumerate(call.rows) if s in live and len(s.output_ids) + 1 < s.request.max_tokens]
+        index = [b for b, s in enumerate(call.rows)
+                 if s in live and len(s.output_ids) + call.steps < s.request.max_tokens]
         rows = [call.rows[b] for b in index]
         if not rows:
             return None
         drafting_off = self._spec_disable_rows and len(rows) + len(incoming) > self._spec_disable_rows
-        if not drafting_off and (any(_drafts_after(s.request, len(s.output_ids)) for s in rows)
+        if not drafting_off and (any(_drafts_after(s.request, len(s.output_ids) + call.steps - 1) for s in rows)
                                  or any(_drafts_after(w.request, 0) for w in incoming)):
             return None
         token_ids = call.pending.next_ids  # [B, 1] on the device: maybe a graph's buffer, which the prompts' call
@@ -598,12 +616,14 @@ class Scheduler:
         prompts, new, new_ids = self._prompts_ahead(len(incoming)) if incoming else (None, [], None)
         if new:
             rows, token_ids = rows + new, torch.cat([token_ids, new_ids])  # [B' + N', 1]
-        starts = [len(s.tokens) for s in rows]  # where the tokens `call` (or its prompt) emits go
+        # where the last token `call` (or its prompt) emits goes: `call` emits call.steps tokens a row
+        starts = [len(s.tokens) + call.steps - 1 for s in rows[: len(index)]] + [len(s.tokens) for s in new]
         params = _next_params(call, rows)
         batch = TargetBatch(**params, token_ids=token_ids,  # host tensors over numpy: no torch op (transfers.py)
                             positions=torch.from_numpy(np.array(starts, dtype=np.int64).reshape(-1, 1)),  # [B', 1]
                             num_draft=torch.from_numpy(np.zeros(len(rows), dtype=np.int64)))  # [B']
-        return self._launch_target(rows, batch, starts, params, ahead=True, prompts=prompts)  # pairs wait for drafting
+        return self._launch_target(rows, batch, starts, params, ahead=True, prompts=prompts,
+                                   steps=self._steps(rows, starts))  # pairs wait for drafting
 
     def _prompts_ahead(self, count: int) -> tuple[_Launched | None, list[_Sequence], torch.Tensor | None]:
         """Admit up to `count` waiting requests and launch their prompts in a call of their own, before the next

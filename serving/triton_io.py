@@ -22,7 +22,7 @@ from triton_mtp.serving.requests import (
 )
 from triton_mtp.serving.workers import (
     DraftBatch, DraftResult, DraftWorker, InProcessHops, PendingTarget, TargetBatch, TargetResult, TargetWorker,
-    draft_chain, verify_window,
+    draft_chain, multi_step, verify_window,
 )
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -105,8 +105,9 @@ class BlsHops:
     """The scheduler's two hops as BLS calls into the `target` and `mtp` models."""
 
     overlaps = False  # a call returns with the `target` model's response
+    decode_steps = 1
 
-    def launch_target(self, batch: TargetBatch, hidden: bool = True) -> PendingTarget:
+    def launch_target(self, batch: TargetBatch, hidden: bool = True, steps: int = 1) -> PendingTarget:
         outputs = ["output_ids", "num_accepted", "logprobs"] + (["hidden"] if hidden else [])
         return PendingTarget(TargetResult.from_arrays(_exec("target", batch.to_arrays(), outputs)), hidden)
 
@@ -211,7 +212,14 @@ def target_worker(directory: Path, params: dict[str, str], device: torch.device,
                                     prefill_tokens=int_parameter(params, "prefill_graph_tokens", 0, default=0))
 
     runner, window = load_model_step(directory, params, device, graphed, verify_window)
-    return runner, TargetWorker(window, max_slots, device)
+    decode_steps = int_parameter(params, "decode_steps", 1, default=1)
+    steps = None  # eager: `multi_step` over the window
+    if decode_steps > 1:
+        log(f"target: {decode_steps} steps a call over greedy rows without drafts (decode_steps)")
+    if decode_steps > 1 and isinstance(window, graphs.GraphedTarget):
+        steps = graphs.with_decode_graphs(lambda: graphs.steps_graphs(window, runner, decode_steps),
+                                          multi_step(window, decode_steps), log)
+    return runner, TargetWorker(window, max_slots, device, decode_steps, steps)
 
 
 def draft_worker(directory: Path, params: dict[str, str], device: torch.device, dtype: torch.dtype,

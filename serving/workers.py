@@ -75,6 +75,34 @@ def verify_window(target: TargetStep) -> WindowStep:
     return window
 
 
+def multi_step(window: WindowStep, steps: int) -> WindowStep:
+    """`steps` greedy one-token target calls in a row as one window step (vLLM's multi-step scheduling: graphed,
+    the host's work of a call is paid once per `steps` tokens of every row):
+
+    run(token_ids [B, 1], positions [B, 1], slot_ids [B], num_draft [B] (zeros), K=0, greedy=True) feeds each
+    call's argmax to the next, at the next position (padding, -1, stays padding), and returns window_logits None
+    (no row samples), draft_ids [B, 0], num_accepted [B] = steps - 1 (every token but the last counts as accepted:
+    the host takes all of them), output_ids and logprobs [B, steps], hidden [B, steps, H] float32 and their
+    `window_results`. A row's tokens past EOS or max_tokens are the host's to cut.
+    """
+
+    def run(token_ids, positions, slot_ids, num_draft, K=0, greedy=True):
+        ids, logprobs, hidden = [], [], []
+        for _ in range(steps):
+            _, draft_ids, _, output_ids, step_logprobs, step_hidden, _ = window(
+                token_ids, positions, slot_ids, num_draft, 0, True)  # [B, 0], [B, 1] x2, [B, 1, H]
+            ids.append(output_ids.clone())  # a graph's buffer, which the next call overwrites
+            logprobs.append(step_logprobs.clone())
+            hidden.append(step_hidden.clone())
+            token_ids, positions = ids[-1], torch.where(positions >= 0, positions + 1, -1)  # [B, 1] x2
+        output_ids, logprobs = torch.cat(ids, 1), torch.cat(logprobs, 1)  # [B, steps] x2
+        num_accepted = torch.full_like(output_ids[:, 0], steps - 1)  # [B]
+        return (None, draft_ids, num_accepted, output_ids, logprobs, torch.cat(hidden, 1),
+                window_results(output_ids, num_accepted, logprobs))
+
+    return run
+
+
 def window_results(output_ids: torch.Tensor, num_accepted: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
     """[B, 2W+1] float64: output_ids [B, W], num_accepted [B] and logprobs [B, W] side by side (ids are exact in
     float64), so that a greedy verify's results leave the device as one contiguous tensor, with one copy,
@@ -320,12 +348,22 @@ class TargetWorker:
     """Verifies drafts (and prefills prompts) for all rows with one target call.
 
     `window` is `verify_window(target)` or the decode graphs of it (serving/graphs.py), whose `place` puts
-    a call's inputs where its graph reads them.
+    a call's inputs where its graph reads them. With `decode_steps` N > 1, a call of greedy one-token rows may
+    run N target steps (`launch(batch, steps=N)`) through `steps`: by default `multi_step(window, N)`, or
+    the graphs of it (`graphs.GraphedSteps`).
     """
 
-    def __init__(self, window: WindowStep, max_slots: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, window: WindowStep, max_slots: int, device: torch.device | str = "cpu", decode_steps: int = 1,
+                 steps: WindowStep | None = None) -> None:
+        if decode_steps < 1:
+            raise ValueError(f"decode_steps: must be >= 1, got {decode_steps}")
         self.window = window
-        self._place = getattr(window, "place", None) or (lambda *inputs: to_device(list(inputs), self._device))
+        self.decode_steps = decode_steps
+        self._windows = {1: window}
+        if decode_steps > 1:
+            self._windows[decode_steps] = steps or multi_step(window, decode_steps)
+        self._places = {n: getattr(w, "place", None) or (lambda *inputs: to_device(list(inputs), self._device))
+                        for n, w in self._windows.items()}
         self._max_slots = max_slots
         self._device = torch.device(device)
         self._generators = _Generators(max_slots, self._device)
@@ -336,21 +374,25 @@ class TargetWorker:
         return self.launch(batch)[0]
 
     @torch.no_grad()
-    def launch(self, batch: TargetBatch) -> tuple[TargetResult, TargetBatch, torch.Tensor | None]:
+    def launch(self, batch: TargetBatch, steps: int = 1) -> tuple[TargetResult, TargetBatch, torch.Tensor | None]:
         """`verify`, also returning the batch with its tensors on the device (for work chained on) and, for a
-        greedy batch, the result again as one tensor (`window_results`), which leaves the device in one copy."""
+        greedy batch, the result again as one tensor (`window_results`), which leaves the device in one copy.
+        `steps` = `decode_steps` (greedy one-token rows only) runs that many target steps: output_ids [B, steps]."""
         # Decisions on the host copies, before the batch moves: no device sync for them.
         _check_slots(batch.slot_ids, self._max_slots)
         all_greedy = batch.all_greedy()
         generators = None if all_greedy else self._generators.rows(batch.slot_ids, batch.seeds, batch.new)
         num_draft = batch.num_draft.numpy()  # [B]
         K = int(num_draft.max()) if num_draft.size else 0
+        if steps != 1 and (steps not in self._windows or not all_greedy or K or batch.token_ids.shape[1] != 1):
+            raise ValueError(f"decode_steps: a call runs 1 step, or {self.decode_steps} over greedy one-token rows "
+                             f"without drafts; got {steps} over {batch.token_ids.shape[1]}-token rows")
         draft_lengths = [] if all_greedy else np.unique(num_draft).tolist()  # k values of the per-k verify
-        inputs = self._place(*(getattr(batch, name) for name in _WINDOW_INPUTS))
+        inputs = self._places[steps](*(getattr(batch, name) for name in _WINDOW_INPUTS))
         batch = dataclasses.replace(batch, **dict(zip(_WINDOW_INPUTS, inputs)))
         if not all_greedy:  # the sampling knobs and q too; greedy, they stay
             batch = batch.to(self._device)
-        window_logits, draft_ids, num_accepted, output_ids, logprobs, hidden, results = self.window(
+        window_logits, draft_ids, num_accepted, output_ids, logprobs, hidden, results = self._windows[steps](
             *inputs, K, all_greedy)  # [B, K+1, V], ..., [B, T, H], [B, 2(K+1)+1]
         if not all_greedy:
             num_accepted, output_ids = self._verify_sampled(batch, window_logits, draft_ids, draft_lengths, generators)
@@ -463,7 +505,7 @@ class PendingTarget:
     trip. They may be a decode graph's buffer, valid until the next target call. `hidden=False` leaves the
     hidden states on the device (None in the result) when no row pends MTP pairs. A chained call (`window`:
     the next verify window it drafted, `next_window`) offers that window instead: `next_ids` [B, K'+1] at
-    `next_positions` [B, K'+1], on the device. `results` (a greedy call's `window_results` [B, 2W+1], then the
+    `next_positions` [B, K'+1], on the device; a multi-step call its last tokens [B, 1] (`next_positions` None). `results` (a greedy call's `window_results` [B, 2W+1], then the
     result's draft_ids [B, K'] where it has them) carries the ids, counts and logprobs instead of their own
     tensors.
     """
@@ -507,10 +549,14 @@ class InProcessHops:
 
     def __init__(self, target: TargetWorker, draft: DraftWorker | None, chained=None) -> None:
         self._target, self._draft, self._chained = target, draft, chained
+        self.decode_steps = target.decode_steps
 
-    def launch_target(self, batch: TargetBatch, hidden: bool = True) -> PendingTarget:
-        result, _, results = self._target.launch(batch)
-        return PendingTarget(result, hidden, results=results)
+    def launch_target(self, batch: TargetBatch, hidden: bool = True, steps: int = 1) -> PendingTarget:
+        """`steps` > 1 (`decode_steps`): that many target steps over greedy one-token rows, whose last tokens
+        [B, 1] are the pending call's `next_ids`."""
+        result, _, results = self._target.launch(batch, steps)
+        window = (result.output_ids[:, -1:], None) if steps > 1 else None
+        return PendingTarget(result, hidden, window, results)
 
     def launch_chained(self, batch: TargetBatch) -> PendingTarget:
         """Verify `batch` (greedy rows that all drafted, pairs absorbed), then, on the device, absorb the pairs

@@ -12,13 +12,14 @@ import torch
 from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.export.graphs import export_graphs, load_step
 from triton_mtp.serving.graphs import (
-    EagerReplay, GraphedChain, GraphedDraftChain, GraphedMTP, GraphedTarget, batch_buckets, chain_graphs,
-    compile_graphs, draft_chain_graphs, graphs_wanted, mtp_graphs, prefill_widths, target_graphs, with_decode_graphs,
+    EagerReplay, GraphedChain, GraphedDraftChain, GraphedMTP, GraphedSteps, GraphedTarget, batch_buckets, chain_graphs,
+    compile_graphs, draft_chain_graphs, graphs_wanted, mtp_graphs, prefill_widths, steps_graphs, target_graphs,
+    with_decode_graphs,
 )
 from triton_mtp.serving.requests import GenerationRequest, in_process_limits
 from triton_mtp.serving.scheduler import FinalResponse, Scheduler
 from triton_mtp.serving.workers import (
-    DraftWorker, InProcessHops, TargetWorker, draft_chain, split_window_results, verify_window,
+    DraftWorker, InProcessHops, TargetBatch, TargetWorker, draft_chain, split_window_results, verify_window,
 )
 
 MAX_SLOTS, MAX_SEQ_LEN, WIDTH = 6, 48, 4
@@ -342,6 +343,101 @@ def test_a_request_admitted_while_calls_go_ahead_leaves_the_decoding_rows_tokens
     assert outputs[1] == outputs[0]
 
 
+class _DraftsByPosition:
+    """A hops object's mtp call that keeps, per row, the drafts it made after each position (the last one absorbed)."""
+
+    def __init__(self, mtp) -> None:
+        self.mtp, self.drafts = mtp, {}
+
+    def __call__(self, batch):
+        result = self.mtp(batch)
+        for positions, draft_ids, k in zip(batch.positions.tolist(), result.draft_ids.tolist(), batch.num_draft.tolist()):
+            self.drafts[max(positions)] = draft_ids[:k]
+        return result
+
+
+def _serve_steps(checkpoint: Path, decode_steps: int, graphed: bool, overlap: bool, eos: int):
+    """Outputs (ids, logprobs, finish reason) of the requests below, served with `decode_steps`, the steps each target
+    call ran and the speculative row's drafts by position."""
+    slots, max_draft = 4, 3
+    config, target, mtp = load_checkpoint(checkpoint, max_slots=slots, max_seq_len=MAX_SEQ_LEN, progress=False)
+    window, steps = verify_window(target), None
+    if graphed:
+        window = target_graphs(target, slots, max_draft, torch.device("cpu"), graph=BufferedReplay, prefill_tokens=32)
+        steps = steps_graphs(window, target, decode_steps, graph=BufferedReplay)
+    hops = InProcessHops(TargetWorker(window, slots, decode_steps=decode_steps, steps=steps),
+                         DraftWorker(mtp, config.num_nextn_predict_layers, slots))
+    hops.mtp = _DraftsByPosition(hops.mtp)
+    launch, launched = hops.launch_target, []
+
+    def counted(batch, hidden=True, steps=1):
+        launched.append(steps)
+        return launch(batch, hidden, steps)
+
+    hops.launch_target = counted
+    limits = in_process_limits(config.vocab_size, slots, MAX_SEQ_LEN, max_draft, max_queue_size=8, eos_token_id=eos)
+    engine = Scheduler(hops, limits, spec_disable_rows=2, overlap=overlap)
+    gen = torch.Generator().manual_seed(5)
+    requests = [GenerationRequest(torch.randint(2, config.vocab_size, (n,), generator=gen).tolist(), max_tokens,
+                                  return_logprobs=True, **extra)
+                for n, max_tokens, extra in ((5, 13, {}), (3, 1, {}), (7, 2, {}), (4, 20, {"num_draft_tokens": 2}),
+                                             (MAX_SEQ_LEN - 11, 11, {}), (6, 4, {"temperature": 0.8, "seed": 3}),
+                                             (2, 9, {}))]
+    handles = [FinalResponse() for _ in requests]
+    for request, handle in list(zip(requests, handles))[:4]:
+        engine.submit(request, handle)
+    for _ in range(3):
+        engine.step()
+    for request, handle in list(zip(requests, handles))[4:]:  # arriving while calls go ahead
+        engine.submit(request, handle)
+    engine.run_until_idle()
+    assert [h.error for h in handles] == [None] * len(handles)
+    assert engine.slots.num_free == slots
+    return [(h.final.output_ids, h.final.logprobs, h.final.finish_reason) for h in handles], launched, hops.mtp.drafts
+
+
+def test_a_multi_step_call_takes_greedy_one_token_rows_without_drafts_only(twins):
+    (config, target, _), _ = twins
+    with pytest.raises(ValueError, match="decode_steps: must be >= 1, got 0"):
+        TargetWorker(verify_window(target), MAX_SLOTS, decode_steps=0)
+    worker = TargetWorker(verify_window(target), MAX_SLOTS, decode_steps=2)
+    one_token = dict(token_ids=torch.tensor([[5], [6]]), positions=torch.tensor([[0], [0]]),
+                     slot_ids=torch.tensor([0, 1]), num_draft=torch.tensor([0, 0]))
+    knobs = dict(top_k=torch.zeros(2, dtype=torch.int64), top_p=torch.ones(2), seeds=torch.zeros(2, dtype=torch.int64),
+                 new=torch.ones(2, dtype=torch.bool))
+    result, _, _ = worker.launch(TargetBatch(temperature=torch.zeros(2), **knobs, **one_token), steps=2)
+    assert result.output_ids.shape == (2, 2) and result.num_accepted.tolist() == [1, 1]
+    window = dict(one_token, token_ids=torch.tensor([[5, 7], [6, 8]]), positions=torch.tensor([[1, 2], [1, 2]]),
+                  num_draft=torch.tensor([1, 1]))
+    for steps, batch in ((2, TargetBatch(temperature=torch.tensor([0.0, 0.8]), **knobs, **one_token)),
+                         (2, TargetBatch(temperature=torch.zeros(2), **knobs, **window)),
+                         (3, TargetBatch(temperature=torch.zeros(2), **knobs, **one_token))):
+        with pytest.raises(ValueError, match="decode_steps: a call runs 1 step, or 2 over greedy one-token rows"):
+            worker.launch(batch, steps)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_multi_step_decoding_emits_what_one_step_a_call_emits(drafting_checkpoint, overlap):
+    """With `decode_steps` N, calls over greedy rows without drafts run N target steps (eager: `multi_step`; graphed:
+    `GraphedSteps`, whose buffers every replay overwrites), and the engine emits the tokens and logprobs of one step
+    a call: rows finishing mid-call (max_tokens 1 and 2, an EOS), a row whose last tokens reach max_seq_len (its
+    calls there run one step), a sampled row (calls with it run one step), requests arriving while calls go ahead,
+    and a speculative row whose MTP pairs wait through multi-step calls (drafting off above 2 rows) and whose drafts
+    after them are those of one step a call."""
+    (probe, *_), _, _ = _serve_steps(drafting_checkpoint, 1, False, overlap, -1)
+    eos = probe[0][6]  # the first request stops on its seventh token
+    expected, one_step, expected_drafts = _serve_steps(drafting_checkpoint, 1, False, overlap, eos)
+    assert expected[0][2] == "stop" and len(expected[0][0]) < 7 and set(one_step) == {1}
+    for decode_steps, graphed in ((3, False), (2, True)):
+        outputs, launched, drafts = _serve_steps(drafting_checkpoint, decode_steps, graphed, overlap, eos)
+        for (ids, logprobs, reason), (expected_ids, expected_logprobs, expected_reason) in zip(outputs, expected):
+            assert (ids, reason) == (expected_ids, expected_reason)
+            assert logprobs == pytest.approx(expected_logprobs, abs=1e-5)
+        assert launched.count(decode_steps) > 0 and len(launched) < len(one_step)
+        common = drafts.keys() & expected_drafts.keys()
+        assert common and all(drafts[p] == expected_drafts[p] for p in common)
+
+
 class Broken(EagerReplay):
     """A replay whose logits are wrong, as a capture gone bad would give."""
 
@@ -384,6 +480,10 @@ def test_a_graph_that_captured_nothing_is_caught(twins):
     assert step is None and "chained drafting" in lines[2] and "differs from eager" in lines[2]
     step = with_decode_graphs(lambda: chain_graphs(graphed, mtp, mtp_step, graph=EagerReplay), None, lines.append)
     assert isinstance(step, GraphedChain) and sorted(step.graphs) == [(K, b) for K in (1, 2, 3) for b in (1, 2)]
+    step = with_decode_graphs(lambda: steps_graphs(graphed, target, 2, graph=Stale), None, lines.append)
+    assert step is None and "the 2-step target" in lines[4] and "differs from eager" in lines[4]
+    step = with_decode_graphs(lambda: steps_graphs(graphed, target, 2, graph=EagerReplay), None, lines.append)
+    assert isinstance(step, GraphedSteps) and sorted(step.graphs) == [(2, 1), (2, 2)]
 
 
 def test_a_graph_that_disagrees_with_eager_falls_back_to_the_step(twins):

@@ -22,16 +22,18 @@ from triton_mtp.export.repository import write_repository
 VOCAB = 128
 STREAM_INTERVAL = 3
 SPEC_DISABLE_ROWS = 2
+DECODE_STEPS = 2
 
 
 @pytest.fixture(scope="module")
 def local_repository(drafting_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     repo = tmp_path_factory.mktemp("local_hops_repository")
     write_repository(drafting_checkpoint, repo, max_slots=4, max_draft_tokens=4, hops="local", response_threads=2,
-                     stream_interval=STREAM_INTERVAL, spec_disable_rows=SPEC_DISABLE_ROWS, progress=False,
-                     log=lambda line: None)
-    return repo  # every test here also sends from response threads, a response per STREAM_INTERVAL tokens, and
-    # drafts only in steps with at most SPEC_DISABLE_ROWS live requests
+                     stream_interval=STREAM_INTERVAL, spec_disable_rows=SPEC_DISABLE_ROWS, decode_steps=DECODE_STEPS,
+                     progress=False, log=lambda line: None)
+    return repo  # every test here also sends from response threads, a response per STREAM_INTERVAL tokens, drafts
+    # only in steps with at most SPEC_DISABLE_ROWS live requests and runs DECODE_STEPS target steps a call over
+    # greedy rows without drafts
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +62,7 @@ def test_the_repository_holds_spec_decode_alone_with_the_artifacts_inside(local_
     assert re.search(r'key: "response_lag_steps", value: \{ string_value: "0" \}', config)  # the export's default
     assert re.search(r'key: "stream_interval", value: \{ string_value: "3" \}', config)
     assert re.search(r'key: "spec_disable_rows", value: \{ string_value: "2" \}', config)
+    assert re.search(r'key: "decode_steps", value: \{ string_value: "2" \}', config)
     assert re.search(r'key: "overlap", value: \{ string_value: "true" \}', config)
     assert re.search(r'key: "separate_prefill", value: \{ string_value: "true" \}', config)
     assert re.search(r'key: "switch_interval_us", value: \{ string_value: "100" \}', config)  # the export's default
@@ -70,12 +73,14 @@ def test_the_repository_holds_spec_decode_alone_with_the_artifacts_inside(local_
 
 
 def test_the_engine_runs_with_the_exported_thread_switch_interval(triton_server_for, local_repository):
-    """`spec_decode` sets the switch interval its config gives (the export's default, 100 us) and says so."""
+    """`spec_decode` sets the switch interval its config gives (the export's default, 100 us) and says so, as it
+    says how many target steps its calls over greedy rows without drafts run."""
     log_path = triton_server_for(local_repository).log_path
     deadline = time.monotonic() + 30
-    while "spec_decode: thread switch interval 100 us" not in log_path.read_text(errors="replace"):
-        assert time.monotonic() < deadline, "the stub did not report its switch interval"
-        time.sleep(0.1)
+    for line in ("spec_decode: thread switch interval 100 us", "target: 2 steps a call over greedy rows without drafts"):
+        while line not in log_path.read_text(errors="replace"):
+            assert time.monotonic() < deadline, f"the stub did not log {line!r}"
+            time.sleep(0.1)
 
 
 def test_greedy_output_equals_the_bls_engine_for_every_k(local, bls):
@@ -181,3 +186,5 @@ def test_local_hops_refuse_tensor_parallel(drafting_checkpoint, tmp_path):
         write_repository(drafting_checkpoint, tmp_path, hops="inline", progress=False)
     with pytest.raises(ValueError, match="spec_disable_rows: must be >= 0, got -1"):
         write_repository(drafting_checkpoint, tmp_path, spec_disable_rows=-1, progress=False)
+    with pytest.raises(ValueError, match="decode_steps: must be 1, or more with --hops local"):
+        write_repository(drafting_checkpoint, tmp_path, decode_steps=2, progress=False)

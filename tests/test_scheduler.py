@@ -352,11 +352,11 @@ class _TracedHops:
     overlaps = chains = True
 
     def __init__(self, hops: InProcessHops) -> None:
-        self.hops, self.mtp, self.log = hops, hops.mtp, []
+        self.hops, self.mtp, self.log, self.decode_steps = hops, hops.mtp, [], hops.decode_steps
         self.on_launch = lambda: None  # called as each call is launched
 
-    def launch_target(self, batch, hidden=True):
-        return self._traced(self.hops.launch_target(batch, hidden), "launch")
+    def launch_target(self, batch, hidden=True, steps=1):
+        return self._traced(self.hops.launch_target(batch, hidden, steps), "launch")
 
     def launch_chained(self, batch):
         return self._traced(self.hops.launch_chained(batch), "chained")
@@ -590,11 +590,11 @@ def test_a_failing_hop_fails_its_requests_and_the_loop_goes_on(models):
     real_target = engine._hops.launch_target
     calls = []
 
-    def flaky_target(batch, hidden=True):
+    def flaky_target(batch, *args):
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("target: out of memory")
-        return real_target(batch, hidden)
+        return real_target(batch, *args)
 
     engine._hops.launch_target = flaky_target
     (failed,) = run(engine, [GenerationRequest([5, 6, 7], 8)])
