@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> dict:
     dtype, layers = target.lm_head.weight.dtype, config.num_nextn_predict_layers
     if args.compile:  # as the eager format loads its steps
         target, mtp = compile_step(target), compile_step(mtp)
-    window, mtp_step, chained = verify_window(target), mtp, None
+    window, mtp_step, chained, multi_step = verify_window(target), mtp, None, None
     chain = functools.partial(draft_chain, mtp, layers)
     if args.graphs:  # as the served models wrap their steps
         max_draft = max(draft_counts)
@@ -153,9 +153,12 @@ def run(args: argparse.Namespace) -> dict:
         chain = graphs.draft_chain_graphs(mtp, mtp_step, max_draft, graph)
         if args.overlap and not args.no_chain_graph:  # (a chained step's drafting is then in it, not timed apart)
             chained = graphs.chain_graphs(window, mtp, mtp_step, graph)
+        if args.decode_steps > 1:
+            multi_step = graphs.steps_graphs(window, target, args.decode_steps, graph)
     # greedy: every MTP call is in the chain
     timed_target, timed_mtp = TimedStep(window, device, not args.overlap), TimedStep(chain, device, not args.overlap)
-    hops = InProcessHops(TargetWorker(timed_target, len(prompts), device),
+    timed_steps = TimedStep(multi_step, device, not args.overlap) if multi_step else None  # eager: over timed_target
+    hops = InProcessHops(TargetWorker(timed_target, len(prompts), device, args.decode_steps, timed_steps),
                          DraftWorker(mtp_step, layers, len(prompts), device, dtype, greedy=timed_mtp), chained)
     results = {"benchmark": "engine_overhead", "device": str(device), "dtype": args.dtype, "prompts": len(prompts),
                "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "graphs": args.graphs,
@@ -163,6 +166,7 @@ def run(args: argparse.Namespace) -> dict:
                "spec_disable_rows": args.spec_disable_rows, "stream": args.stream, "overlap": args.overlap,
                "gil_threads": args.gil_threads, "switch_interval_s": sys.getswitchinterval(),
                "chain_graph": chained is not None, "requests_per_prompt": args.requests_per_prompt,
+               "decode_steps": args.decode_steps,
                "environment": environment(), "runs": {}}
     handle = _Drop()
     for k in draft_counts:
@@ -184,6 +188,8 @@ def run(args: argparse.Namespace) -> dict:
         if args.null_replays:  # the prefill runs the model (eager): only the decode steps' host work is timed
             engine.step()
         timed_target.seconds = timed_mtp.seconds = 0.0
+        if timed_steps:
+            timed_steps.seconds = 0.0
         counters = engine.metrics.counters
         untimed = {name: counters[name] for name in ("spec_decode_emitted_tokens", "spec_decode_calls_ahead",
                                                      "spec_decode_hops")}
@@ -211,8 +217,9 @@ def run(args: argparse.Namespace) -> dict:
             Path(args.profile).write_text(f"k={k}, {steps} steps (times include the profiler's own cost)\n{table}\n")
         if handle.errors:
             raise RuntimeError(f"k={k}: {handle.errors[0]}")
-        model = timed_target.seconds + timed_mtp.seconds
-        target_ms = 1e3 * timed_target.seconds / steps if timed_target.timed else None  # else counted as engine
+        target_seconds = timed_target.seconds + (timed_steps.seconds if timed_steps else 0.0)
+        model = target_seconds + timed_mtp.seconds
+        target_ms = 1e3 * target_seconds / steps if timed_target.timed else None  # else counted as engine
         mtp_ms = 1e3 * timed_mtp.seconds / steps if timed_mtp.timed else None
         run_result = {"steps": steps, "step_ms": 1e3 * total / steps, "target_ms": target_ms, "mtp_ms": mtp_ms,
                       "engine_ms": 1e3 * (total - model) / steps,
@@ -309,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="sys.setswitchinterval, as spec_decode's switch_interval_us sets it (default: Python's)")
     parser.add_argument("--requests-per-prompt", type=int, default=1, metavar="N",
                         help="each prompt a closed-loop stream of N requests: requests arrive while others decode")
+    parser.add_argument("--decode-steps", type=int, default=1, metavar="N",
+                        help="target steps a call over greedy rows without drafts (the scheduler's multi-step decoding; "
+                        "with --graphs, one graph of N steps)")
     parser.add_argument("--profile", help="write the op table of the last k's run to this file")
     parser.add_argument("--out", help="result JSON file")
     args = parser.parse_args(argv)
