@@ -66,7 +66,7 @@
 # BENCH_SKIP="STAGE ...": leave those stages out (their results then come from an earlier run);
 # BENCH_ONLY="STAGE ...": run only those. BENCH_RESPONSE_THREADS=N exports with --response-threads N,
 # BENCH_STREAM_INTERVAL=N with --stream-interval N, BENCH_SPEC_DISABLE_ROWS=N with --spec-disable-rows N,
-# BENCH_NO_OVERLAP=1 with --no-overlap. BENCH_MOE=grouped|dense picks the routed experts' kind
+# BENCH_NO_OVERLAP=1 with --no-overlap, BENCH_DECODE_STEPS=N the local-hops export with --decode-steps N. BENCH_MOE=grouped|dense picks the routed experts' kind
 # (export/moe.py) of the export, standalone and engine stages (default: the export's default).
 # BENCH_SMOKE=1: tiny sizes on CPU (fp32, eager, 2 prompts of 16 tokens, k=1,2, streams 1,2; a synthetic
 # checkpoint when none is given) so the whole script is known to run. BENCH_REPOSITORY=<dir> serves an
@@ -298,7 +298,10 @@ if [ -n "${BENCH_REPOSITORY:-}" ]; then
 elif [ -n "${BENCH_LOCAL_REPOSITORY:-}" ] && [ -f "$local_repository/spec_decode/config.pbtxt" ]; then
     say "stage export_local skipped: BENCH_LOCAL_REPOSITORY holds an earlier run's export"
 else
-    stage export_local "${BENCH_EXPORT_S:-90}" "${export_cmd[@]}" --repository "$local_repository" --hops local
+    local_args=()  # multi-step decoding runs in local hops alone
+    [ -n "${BENCH_DECODE_STEPS:-}" ] && local_args=(--decode-steps "$BENCH_DECODE_STEPS")
+    stage export_local "${BENCH_EXPORT_S:-90}" "${export_cmd[@]}" --repository "$local_repository" --hops local \
+        "${local_args[@]}"
 fi
 if [ -d "$local_repository/spec_decode" ]; then
     stub_path_on
