@@ -476,7 +476,9 @@ class GraphedTarget(_GraphedWindow):
 class GraphedSteps(_GraphedWindow):
     """`workers.multi_step` over the target: N greedy one-token calls in a row, one graph per bucket (multi-step
     decoding: one replay's host work for N tokens of every row), captured in the target graphs' pool. The family key
-    is N. Calls of more rows than the largest bucket run `fallback`, N one-token replays of the target's graphs."""
+    is N. Calls of more rows than the largest bucket run `fallback`, `multi_step` over the target's graphs (which run
+    such calls eager too); where this wrapper fails its check at load, every call runs that fallback: N replays of
+    the one-token graphs."""
 
     def __init__(self, steps: Step, fallback: Step, count: int, max_batch: int, device: torch.device,
                  graph: Callable[..., Step] = CapturedStep, pool=None) -> None:

@@ -108,6 +108,8 @@ class BlsHops:
     decode_steps = 1
 
     def launch_target(self, batch: TargetBatch, hidden: bool = True, steps: int = 1) -> PendingTarget:
+        if steps != 1:
+            raise ValueError(f"decode_steps: the target model runs 1 step a call, got {steps}")
         outputs = ["output_ids", "num_accepted", "logprobs"] + (["hidden"] if hidden else [])
         return PendingTarget(TargetResult.from_arrays(_exec("target", batch.to_arrays(), outputs)), hidden)
 

@@ -19,7 +19,7 @@ from triton_mtp.serving.graphs import (
 from triton_mtp.serving.requests import GenerationRequest, in_process_limits
 from triton_mtp.serving.scheduler import FinalResponse, Scheduler
 from triton_mtp.serving.workers import (
-    DraftWorker, InProcessHops, TargetBatch, TargetWorker, draft_chain, split_window_results, verify_window,
+    DraftWorker, InProcessHops, TargetBatch, TargetWorker, draft_chain, multi_step, split_window_results, verify_window,
 )
 
 MAX_SLOTS, MAX_SEQ_LEN, WIDTH = 6, 48, 4
@@ -343,35 +343,42 @@ def test_a_request_admitted_while_calls_go_ahead_leaves_the_decoding_rows_tokens
     assert outputs[1] == outputs[0]
 
 
-class _DraftsByPosition:
-    """A hops object's mtp call that keeps, per row, the drafts it made after each position (the last one absorbed)."""
+class _PairsByPosition:
+    """A hops object's mtp call that keeps, per absorbed position, the MTP pair (token, hidden state) and, per position
+    drafted after, the drafts (one speculative request: a position is its own)."""
 
     def __init__(self, mtp) -> None:
-        self.mtp, self.drafts = mtp, {}
+        self.mtp, self.pairs, self.drafts = mtp, {}, {}
 
     def __call__(self, batch):
         result = self.mtp(batch)
-        for positions, draft_ids, k in zip(batch.positions.tolist(), result.draft_ids.tolist(), batch.num_draft.tolist()):
-            self.drafts[max(positions)] = draft_ids[:k]
+        for b, (positions, k) in enumerate(zip(batch.positions.tolist(), batch.num_draft.tolist())):
+            for j, position in enumerate(positions):
+                if position >= 0:
+                    self.pairs[position] = (int(batch.token_ids[b, j]), batch.hidden[b, j].clone())
+            self.drafts[max(positions)] = result.draft_ids[b, :k].tolist()
         return result
 
 
-def _serve_steps(checkpoint: Path, decode_steps: int, graphed: bool, overlap: bool, eos: int):
-    """Outputs (ids, logprobs, finish reason) of the requests below, served with `decode_steps`, the steps each target
-    call ran and the speculative row's drafts by position."""
+def _serve_steps(checkpoint: Path, decode_steps: int, steps_kind: str | None, overlap: bool, eos: int):
+    """Outputs (ids, logprobs, finish reason) of the requests below, served with `decode_steps` (`steps_kind`: None,
+    eager; "graphs", `GraphedSteps` over the target's graphs; "replays", `multi_step` over them: N replays of the
+    one-token graph, whose buffers each replay overwrites), each target call's (steps, last position of its input),
+    and the speculative row's MTP pairs and drafts by position."""
     slots, max_draft = 4, 3
     config, target, mtp = load_checkpoint(checkpoint, max_slots=slots, max_seq_len=MAX_SEQ_LEN, progress=False)
     window, steps = verify_window(target), None
-    if graphed:
+    if steps_kind:
         window = target_graphs(target, slots, max_draft, torch.device("cpu"), graph=BufferedReplay, prefill_tokens=32)
-        steps = steps_graphs(window, target, decode_steps, graph=BufferedReplay)
+        steps = (steps_graphs(window, target, decode_steps, graph=BufferedReplay) if steps_kind == "graphs"
+                 else multi_step(window, decode_steps))
     hops = InProcessHops(TargetWorker(window, slots, decode_steps=decode_steps, steps=steps),
                          DraftWorker(mtp, config.num_nextn_predict_layers, slots))
-    hops.mtp = _DraftsByPosition(hops.mtp)
+    hops.mtp = _PairsByPosition(hops.mtp)
     launch, launched = hops.launch_target, []
 
     def counted(batch, hidden=True, steps=1):
-        launched.append(steps)
+        launched.append((steps, int(batch.positions.max())))
         return launch(batch, hidden, steps)
 
     hops.launch_target = counted
@@ -393,7 +400,8 @@ def _serve_steps(checkpoint: Path, decode_steps: int, graphed: bool, overlap: bo
     engine.run_until_idle()
     assert [h.error for h in handles] == [None] * len(handles)
     assert engine.slots.num_free == slots
-    return [(h.final.output_ids, h.final.logprobs, h.final.finish_reason) for h in handles], launched, hops.mtp.drafts
+    outputs = [(h.final.output_ids, h.final.logprobs, h.final.finish_reason) for h in handles]
+    return outputs, launched, hops.mtp
 
 
 def test_a_multi_step_call_takes_greedy_one_token_rows_without_drafts_only(twins):
@@ -419,23 +427,32 @@ def test_a_multi_step_call_takes_greedy_one_token_rows_without_drafts_only(twins
 @pytest.mark.parametrize("overlap", [True, False])
 def test_multi_step_decoding_emits_what_one_step_a_call_emits(drafting_checkpoint, overlap):
     """With `decode_steps` N, calls over greedy rows without drafts run N target steps (eager: `multi_step`; graphed:
-    `GraphedSteps`, whose buffers every replay overwrites), and the engine emits the tokens and logprobs of one step
-    a call: rows finishing mid-call (max_tokens 1 and 2, an EOS), a row whose last tokens reach max_seq_len (its
-    calls there run one step), a sampled row (calls with it run one step), requests arriving while calls go ahead,
-    and a speculative row whose MTP pairs wait through multi-step calls (drafting off above 2 rows) and whose drafts
-    after them are those of one step a call."""
-    (probe, *_), _, _ = _serve_steps(drafting_checkpoint, 1, False, overlap, -1)
+    `GraphedSteps`, or N replays of the one-token graph, whose buffers every replay overwrites), and the engine emits
+    the tokens and logprobs of one step a call: rows finishing mid-call (max_tokens 1 and 2, an EOS), a row whose
+    last tokens reach max_seq_len (no call writes past it: calls there run one step), a sampled row (calls with it
+    run one step), requests arriving while calls go ahead, and a speculative row whose MTP pairs wait through
+    multi-step calls (drafting off above 2 rows): the pairs it absorbs, and the drafts after them, are those of one
+    step a call."""
+    (probe, *_), _, _ = _serve_steps(drafting_checkpoint, 1, None, overlap, -1)
     eos = probe[0][6]  # the first request stops on its seventh token
-    expected, one_step, expected_drafts = _serve_steps(drafting_checkpoint, 1, False, overlap, eos)
-    assert expected[0][2] == "stop" and len(expected[0][0]) < 7 and set(one_step) == {1}
-    for decode_steps, graphed in ((3, False), (2, True)):
-        outputs, launched, drafts = _serve_steps(drafting_checkpoint, decode_steps, graphed, overlap, eos)
+    expected, one_step, expected_mtp = _serve_steps(drafting_checkpoint, 1, None, overlap, eos)
+    assert expected[0][2] == "stop" and len(expected[0][0]) < 7 and {n for n, _ in one_step} == {1}
+    for decode_steps, steps_kind in ((3, None), (2, "graphs"), (4, "graphs"), (3, "replays")):
+        outputs, launched, mtp = _serve_steps(drafting_checkpoint, decode_steps, steps_kind, overlap, eos)
         for (ids, logprobs, reason), (expected_ids, expected_logprobs, expected_reason) in zip(outputs, expected):
             assert (ids, reason) == (expected_ids, expected_reason)
             assert logprobs == pytest.approx(expected_logprobs, abs=1e-5)
-        assert launched.count(decode_steps) > 0 and len(launched) < len(one_step)
-        common = drafts.keys() & expected_drafts.keys()
-        assert common and all(drafts[p] == expected_drafts[p] for p in common)
+        assert [n for n, _ in launched].count(decode_steps) > 0 and len(launched) < len(one_step)
+        assert all(last + n <= MAX_SEQ_LEN for n, last in launched)  # the KV positions each call writes
+        # drafting resumes once two rows are left, which may come after the row's last call: compared where both
+        # absorbed, past the pairs of its 4-token prompt (positions 0-3) and those of a multi-step call after it
+        common = mtp.pairs.keys() & expected_mtp.pairs.keys()
+        assert max(common) >= 3 + decode_steps
+        for position in common:
+            (token, hidden), (expected_token, expected_hidden) = mtp.pairs[position], expected_mtp.pairs[position]
+            assert token == expected_token, position
+            torch.testing.assert_close(hidden, expected_hidden, rtol=1e-5, atol=1e-5)
+        assert all(mtp.drafts[p] == expected_mtp.drafts[p] for p in mtp.drafts.keys() & expected_mtp.drafts.keys())
 
 
 class Broken(EagerReplay):
