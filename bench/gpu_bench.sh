@@ -66,8 +66,9 @@
 # BENCH_SKIP="STAGE ...": leave those stages out (their results then come from an earlier run);
 # BENCH_ONLY="STAGE ...": run only those. BENCH_RESPONSE_THREADS=N exports with --response-threads N,
 # BENCH_STREAM_INTERVAL=N with --stream-interval N, BENCH_SPEC_DISABLE_ROWS=N with --spec-disable-rows N,
-# BENCH_NO_OVERLAP=1 with --no-overlap, BENCH_DECODE_STEPS=N the local-hops export with --decode-steps N. BENCH_MOE=grouped|dense picks the routed experts' kind
-# (export/moe.py) of the export, standalone and engine stages (default: the export's default).
+# BENCH_NO_OVERLAP=1 with --no-overlap, BENCH_DECODE_STEPS=N the local-hops export with --decode-steps N.
+# BENCH_MOE=grouped|dense picks the routed experts' kind (export/moe.py) of the export, standalone and engine
+# stages (default: the export's default).
 # BENCH_SMOKE=1: tiny sizes on CPU (fp32, eager, 2 prompts of 16 tokens, k=1,2, streams 1,2; a synthetic
 # checkpoint when none is given) so the whole script is known to run. BENCH_REPOSITORY=<dir> serves an
 # existing repository instead of exporting. BENCH_LOCAL_REPOSITORY=<dir>: the local-hops export goes there and

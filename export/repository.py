@@ -89,9 +89,9 @@ def write_repository(
     replay decode-time calls from captured graphs (serving/graphs.py), captured over torch.compile'd steps
     with `compile_graphs`, and prompt calls of up to `prefill_graph_tokens` tokens too (0: prompts run
     eager). `decode_steps` N > 1 (local hops) lets a call over greedy rows without drafts run N target steps, one
-    graph replay for N tokens of every row (multi-step decoding). `response_threads` > 0 makes `spec_decode` send streamed responses from that
-    many threads (serving/responses.py), the engine waiting after each target call it reads for the
-    responses queued `response_lag_steps` + 1 calls before; `stream_interval`, `spec_disable_rows`, `overlap` and
+    graph replay for N tokens of every row (multi-step decoding). `response_threads` > 0 makes `spec_decode` send
+    streamed responses from that many threads (serving/responses.py), the engine waiting after each target call it
+    reads for the responses queued `response_lag_steps` + 1 calls before; `stream_interval`, `spec_disable_rows`, `overlap` and
     `separate_prefill` are the scheduler's (serving/scheduler.py). `switch_interval_us` > 0 sets the
     Python thread switch interval of `spec_decode`'s process (`sys.setswitchinterval`; 0 keeps Python's 5 ms).
     `tensor_parallel` > 1 (eager format) makes the `target`
