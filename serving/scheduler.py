@@ -479,8 +479,9 @@ class Scheduler:
         if self._chains(rows, [len(s.drafts) + 1 for s in rows]):
             self._complete(self._launch_chained(rows, batch, params, starts, ahead=False))
             return
-        steps = self._steps(rows, starts) if all(s.prefilled and not s.drafts for s in rows) else 1
-        self._complete(self._launch_target(rows, batch, starts, params, ahead=False, steps=steps))
+        one_token = self._decode_steps > 1 and all(s.prefilled and not s.drafts for s in rows)  # (no prompt, no window)
+        self._complete(self._launch_target(rows, batch, starts, params, ahead=False,
+                                           steps=self._steps(rows, starts) if one_token else 1))
 
     def _steps(self, rows: list[_Sequence], starts: list[int]) -> int:
         """Target steps of a call over `rows`, one token each at positions `starts`, none drafting: `decode_steps`

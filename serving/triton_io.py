@@ -218,9 +218,9 @@ def target_worker(directory: Path, params: dict[str, str], device: torch.device,
     steps = None  # eager: `multi_step` over the window
     if decode_steps > 1:
         log(f"target: {decode_steps} steps a call over greedy rows without drafts (decode_steps)")
-    if decode_steps > 1 and isinstance(window, graphs.GraphedTarget):
-        steps = graphs.with_decode_graphs(lambda: graphs.steps_graphs(window, runner, decode_steps),
-                                          multi_step(window, decode_steps), log)
+        if isinstance(window, graphs.GraphedTarget):
+            steps = graphs.with_decode_graphs(lambda: graphs.steps_graphs(window, runner, decode_steps),
+                                              multi_step(window, decode_steps), log)
     return runner, TargetWorker(window, max_slots, device, decode_steps, steps)
 
 

@@ -362,11 +362,14 @@ class TargetWorker:
         self._windows = {1: window}
         if decode_steps > 1:
             self._windows[decode_steps] = steps or multi_step(window, decode_steps)
-        self._places = {n: getattr(w, "place", None) or (lambda *inputs: to_device(list(inputs), self._device))
-                        for n, w in self._windows.items()}
+        self._places = {n: getattr(w, "place", self._moved) for n, w in self._windows.items()}
         self._max_slots = max_slots
         self._device = torch.device(device)
         self._generators = _Generators(max_slots, self._device)
+
+    def _moved(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
+        """A window step's inputs on the device, for a step without graphs to `place` them."""
+        return to_device(list(inputs), self._device)
 
     @torch.no_grad()
     def verify(self, batch: TargetBatch) -> TargetResult:
@@ -500,20 +503,20 @@ class PendingTarget:
     result out with one transfer, asynchronous from a GPU: `transfers.PendingHost`).
 
     `read()` waits for this call alone, on a CUDA event rather than the stream, so a call launched after
-    it keeps the device busy while the host reads this one. `next_ids` [B, 1] are the tokens the call
-    emits first, where it made them: a call launched before `read()` takes them as input without a round
-    trip. They may be a decode graph's buffer, valid until the next target call. `hidden=False` leaves the
-    hidden states on the device (None in the result) when no row pends MTP pairs. A chained call (`window`:
-    the next verify window it drafted, `next_window`) offers that window instead: `next_ids` [B, K'+1] at
-    `next_positions` [B, K'+1], on the device; a multi-step call its last tokens [B, 1] (`next_positions` None). `results` (a greedy call's `window_results` [B, 2W+1], then the
-    result's draft_ids [B, K'] where it has them) carries the ids, counts and logprobs instead of their own
-    tensors.
+    it keeps the device busy while the host reads this one. `next_ids` [B, 1] are, for a call without drafts, the
+    last token each row emits (its only one, or a multi-step call's last), where it made them: a call launched
+    before `read()` takes them as input without a round trip. They may be a decode graph's buffer, valid until the
+    next target call. `hidden=False` leaves the hidden states on the device (None in the result) when no row pends
+    MTP pairs. A chained call (`window`: the next verify window it drafted, `next_window`) offers that window
+    instead: `next_ids` [B, K'+1] at `next_positions` [B, K'+1], on the device. `results` (a greedy call's
+    `window_results` [B, 2W+1], then the result's draft_ids [B, K'] where it has them) carries the ids, counts and
+    logprobs instead of their own tensors.
     """
 
     def __init__(self, result: TargetResult, hidden: bool = True,
                  window: tuple[torch.Tensor, torch.Tensor] | None = None, results: torch.Tensor | None = None) -> None:
-        ids = result.output_ids  # [B, K+1]: a call that verified no drafts emits [B, 1], no slice to make
-        self.next_ids, self.next_positions = window or (ids if ids.shape[1] == 1 else ids[:, :1], None)  # [B, 1] or [B, K'+1] x2
+        ids = result.output_ids  # [B, K+1] or [B, steps]: a one-step call without drafts emits [B, 1], no slice
+        self.next_ids, self.next_positions = window or (ids if ids.shape[1] == 1 else ids[:, -1:], None)  # [B, 1] or [B, K'+1] x2
         self._width = result.output_ids.shape[1]  # K+1
         self._drafts = None if result.draft_ids is None else result.draft_ids.shape[1]  # K'
         fields = {"output_ids": result.output_ids, "num_accepted": result.num_accepted, "logprobs": result.logprobs,
@@ -552,11 +555,9 @@ class InProcessHops:
         self.decode_steps = target.decode_steps
 
     def launch_target(self, batch: TargetBatch, hidden: bool = True, steps: int = 1) -> PendingTarget:
-        """`steps` > 1 (`decode_steps`): that many target steps over greedy one-token rows, whose last tokens
-        [B, 1] are the pending call's `next_ids`."""
+        """`steps` > 1 (`decode_steps`): that many target steps over greedy one-token rows."""
         result, _, results = self._target.launch(batch, steps)
-        window = (result.output_ids[:, -1:], None) if steps > 1 else None
-        return PendingTarget(result, hidden, window, results)
+        return PendingTarget(result, hidden, results=results)
 
     def launch_chained(self, batch: TargetBatch) -> PendingTarget:
         """Verify `batch` (greedy rows that all drafted, pairs absorbed), then, on the device, absorb the pairs

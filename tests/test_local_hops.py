@@ -134,6 +134,21 @@ def test_greedy_speculative_steps_chain_through_the_server_and_sampled_ones_do_n
     assert sampled[0] == greedy[0], (greedy, sampled)
 
 
+def test_a_plain_greedy_request_runs_decode_steps_tokens_a_call_through_the_server(triton_server_for, local_repository,
+                                                                                  local, bls):
+    """With `decode_steps` 2 a plain greedy request makes about half the target calls of one token a call (its prompt
+    call, then a call per two tokens), and emits the BLS engine's tokens and logprobs."""
+    metrics_url = triton_server_for(local_repository).metrics_url
+    request = dict(input_ids=prompts(1, seed=40)[0], max_tokens=24, num_draft_tokens=0, return_logprobs=True)
+    (before,) = metric_values(metrics_url, "spec_decode_hops")
+    ours = local.generate(**request)
+    (after,) = metric_values(metrics_url, "spec_decode_hops")  # flushed before the final response (metrics.finish)
+    theirs = bls.generate(**request)
+    assert ours.ids == theirs.ids and ours.logprobs == pytest.approx(theirs.logprobs, abs=1e-5)
+    assert len(ours.ids) >= 12, "an output long enough to count calls"
+    assert after - before <= 1 + -(-(len(ours.ids) - 1) // DECODE_STEPS), (before, after, len(ours.ids))
+
+
 def test_a_stream_left_early_is_cancelled_through_the_response_threads(triton_server_for, local_repository, local):
     """The response threads ask whether their requests were cancelled (the engine reads their answers): a stream
     left after its first response is dropped long before its max_tokens, and its slot is freed."""
