@@ -46,12 +46,16 @@
 #               chain graph emit what eager workers and the graphs without it emit: $OUT/chain_check.json
 #   graph_time  (on a GPU, only when BENCH_ONLY names it) bench/graph_time.py: GPU time of one target graph replay
 #               per batch (BENCH_GRAPH_BATCH, default 1,32) for the served compiled build: $OUT/graph_time.json
+#   fused_moe   (on a GPU, only when BENCH_ONLY names it) bench/fused_moe.py: one grouped MoE layer at decode sizes,
+#               the grouped GEMMs against export/fused_moe.py's kernels (BENCH_FUSED_MOE_ARGS: more arguments):
+#               $OUT/fused_moe.json
 #   standalone  bench/standalone.py: the same checkpoint in one process, steps as captured CUDA graphs,
 #               with and without speculation
 #   hf_generate bench/hf_generate.py: transformers generate(do_sample=False), the same checkpoint
 #   realistic   bench/realistic.py: the DeepSeek-V2-Lite-shaped decode step against its bandwidth floor, dense
-#               and grouped MoE (BENCH_REALISTIC_GRAPHS=reduce-overhead: steps compiled, then graphed;
-#               BENCH_REALISTIC_ARGS: more arguments), and the op table of one eager step: $OUT/realistic_profile.txt
+#               and grouped MoE, the grouped one through its GEMMs and through the decode kernels
+#               (BENCH_REALISTIC_GRAPHS=reduce-overhead: steps compiled, then graphed; BENCH_REALISTIC_ARGS: more
+#               arguments), and the op table of one eager step: $OUT/realistic_profile.txt
 #   standalone_compiled  the standalone loop under torch.compile(mode="reduce-overhead"), with the time left
 # Every stage is cut to what BENCH_DEADLINE_S (default 540) leaves, and the report is rewritten after each.
 # then bench/report.py writes $OUT/results.json, results.md, sweep.png, acceptance.png (with matplotlib);
@@ -328,6 +332,10 @@ if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" graph_time "* ]]; then  
     stage graph_time "${BENCH_GRAPH_TIME_S:-150}" python -m bench.graph_time --checkpoint "$checkpoint" \
         --max-draft "$max_draft" --max-seq-len "$max_seq_len" --batch "${BENCH_GRAPH_BATCH:-1,32}" --builds served \
         --out "$OUT/graph_time.json"
+fi
+if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" fused_moe "* ]]; then  # on request
+    stage fused_moe "${BENCH_FUSED_MOE_S:-120}" python -m bench.fused_moe --out "$OUT/fused_moe.json" \
+        ${BENCH_FUSED_MOE_ARGS:-}
 fi
 if [ -d "$local_repository/spec_decode" ] && [[ " ${BENCH_ONLY:-} " == *" profile "* ]]; then  # on request
     py_spy=$(command -v py-spy)

@@ -4,9 +4,10 @@ The model is `export.model.DeepseekV3Target` with random bf16 weights made direc
 checkpoint files): hidden 2048, 27 layers, MLA with kv_lora_rank 512 and no q-LoRA, 64 routed experts
 top-6 plus 2 shared (moe_intermediate 1408), first layer dense (10944), vocabulary 102400. One decode
 step (one token, context `--context` tokens) is captured as a CUDA graph and replayed; it is timed
-twice: with the dense MoE (every expert on every token), then with the grouped MoE the eager export
-serves on GPUs (`export.moe`, `MoE.group_experts`: only the selected experts' weights are read), as
-"selected". Where grouped_mm does not run natively for the device and dtype, "selected" is left out.
+with the dense MoE (every expert on every token), then with the grouped MoE the eager export serves on
+GPUs (`export.moe`, `MoE.group_experts`: only the selected experts' weights are read) through its
+grouped GEMMs ("selected") and through the decode kernels of export/fused_moe.py ("fused"). Where
+grouped_mm does not run natively for the device and dtype, the grouped variants are left out.
 `--profile FILE` writes the op table (torch.profiler) of one eager step of the last variant.
 
     floor = (weight bytes touched per step + KV bytes of the context) / copy bandwidth
@@ -123,14 +124,18 @@ def run(args: argparse.Namespace) -> dict:
               "copy_bandwidth_GBps": bandwidth / 1e9, "kv_bytes": kv,
               "params": sum(p.numel() for p in target.parameters()),
               "grouped_mm": grouped_mm_works(device, dtype), "moe": {}}
-    variants = {"dense": bytes_touched(config, target, False), "selected": bytes_touched(config, target, True)}
-    variants = {name: variants[name] for name in args.variants.split(",")}
-    if "selected" in variants and not result["grouped_mm"]:
+    selected = bytes_touched(config, target, True)
+    variants = {"dense": bytes_touched(config, target, False), "selected": selected, "fused": selected}
+    variants = {name: variants[name] for name in args.variants}
+    if not result["grouped_mm"] and {"selected", "fused"} & variants.keys():
         print(f"realistic: grouped_mm does not run for {args.dtype} on {device}; leaving out the grouped MoE", flush=True)
-        del variants["selected"]
+        variants = {name: touched for name, touched in variants.items() if name == "dense"}
     for name, touched in variants.items():
-        if name == "selected":
+        if name != "dense":
             group_experts(target)
+            for module in target.modules():
+                if isinstance(module, MoE):
+                    module.fused_decode = name == "fused"
         with torch.no_grad():
             eager_s = step_time(target, inputs, device, max(2, args.repeats // 10))
         step = wrap_step(target, args.graphs, inputs)
@@ -162,6 +167,14 @@ def profile_step(target: DeepseekV3Target, inputs: tuple[torch.Tensor, ...], pat
     Path(path).write_text(prof.key_averages().table(sort_by=sort, row_limit=40) + "\n")
 
 
+def _variants(text: str) -> list[str]:
+    names = text.split(",")
+    unknown = set(names) - {"dense", "selected", "fused"}
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown MoE variants {sorted(unknown)} (dense, selected, fused)")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--out", required=True, help="result JSON file")
@@ -176,8 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experts", type=int, help="override n_routed_experts (smoke runs)")
     parser.add_argument("--vocab", type=int, help="override vocab_size (smoke runs)")
     parser.add_argument("--profile", metavar="FILE", help="write the op table of one eager step here")
-    parser.add_argument("--variants", default="dense,selected", choices=["dense,selected", "dense", "selected"],
-                        help="MoE variants to time: dense, selected (grouped), or both in that order")
+    parser.add_argument("--variants", default=["dense", "selected", "fused"], type=_variants,
+                        help="MoE variants to time, in order (default dense,selected,fused): dense, selected "
+                             "(the grouped GEMMs), fused (grouped, decode steps through export/fused_moe.py's kernels)")
     run(parser.parse_args(argv))
     return 0
 

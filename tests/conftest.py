@@ -21,7 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from triton_mtp.serving.server import TritonServer, free_ports
+# Triton's interpreter runs export/fused_moe.py's kernels on the CPU (tests/test_fused_moe.py). Triton reads
+# the setting when it is first imported, so it is made before anything imports it.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from triton_mtp.serving.server import TritonServer, free_ports  # noqa: E402
 
 SERVER_READY_TIMEOUT_S = 300.0
 

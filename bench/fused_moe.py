@@ -1,0 +1,95 @@
+"""One grouped MoE layer at decode sizes: the grouped GEMMs against export/fused_moe.py's kernels.
+
+For the V2-Lite shape (hidden 2048, 64 routed experts of 1408, top-6, 2 shared) and the bundled model's
+(hidden 256, 8 experts of 48, top-2, 1 shared), and 1 to 4 tokens (a decode step, a k = 3 verify window):
+the layer's time as a replayed CUDA graph with the grouped path and with the kernels at several block
+sizes, the kernels' compiled time (`torch.compile`, as the eager format serves), and the kernels' error
+against the grouped path in bf16 and against float32.
+
+    python -m bench.fused_moe --out fused_moe.json
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+
+import torch
+
+from .common import environment, step_time, write_result
+from .graphs import wrap_step
+from .realistic import v2_lite_config
+from triton_mtp.export import fused_moe
+from triton_mtp.export.moe import MoE
+
+SHAPES = {
+    "v2-lite": {"hidden_size": 2048, "moe_intermediate_size": 1408, "n_routed_experts": 64, "num_experts_per_tok": 6,
+                "n_shared_experts": 2, "n_group": 1, "topk_group": 1},
+    "tiny": {"hidden_size": 256, "moe_intermediate_size": 48, "n_routed_experts": 8, "num_experts_per_tok": 2,
+             "n_shared_experts": 1, "n_group": 2, "topk_group": 1},
+}
+BLOCKS = ((16, 128), (32, 128), (8, 256), (16, 256), (32, 64))
+
+
+def moe_layer(shape: dict, device: torch.device, dtype: torch.dtype) -> MoE:
+    config = v2_lite_config(2, **shape)
+    torch.manual_seed(0)
+    moe = MoE(config)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    torch.nn.init.normal_(moe.gate.e_score_correction_bias, std=0.01)
+    moe.group_experts()
+    return moe.to(device, dtype).eval().requires_grad_(False)
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    result = {"benchmark": "fused_moe", "environment": environment(), "runs_on": fused_moe.runs_on(device),
+              "default_block": [fused_moe.BLOCK_N, fused_moe.BLOCK_K], "shapes": {}}
+    for name, shape in SHAPES.items():
+        moe = moe_layer(shape, device, torch.bfloat16)
+        grouped = copy.deepcopy(moe)
+        grouped.fused_decode = False
+        reference = copy.deepcopy(grouped).float()
+        rows = {}
+        for tokens in args.tokens:
+            x = torch.randn(tokens, 1, shape["hidden_size"], device=device, dtype=torch.bfloat16)  # [N, 1, H]
+            with torch.no_grad():
+                row = {"error_vs_grouped_bf16": relative_error(moe(x), grouped(x)),
+                       "error_vs_fp32": relative_error(moe(x), reference(x.float())),
+                       "grouped_error_vs_fp32": relative_error(grouped(x), reference(x.float())),
+                       "grouped_ms": step_time(wrap_step(grouped, "cudagraph", (x,)), (x,), device, args.repeats) * 1e3}
+            for block_n, block_k in BLOCKS:
+                fused_moe.BLOCK_N, fused_moe.BLOCK_K = block_n, block_k
+                with torch.no_grad():
+                    step = wrap_step(moe, "cudagraph", (x,))
+                    row[f"fused_ms_{block_n}x{block_k}"] = step_time(step, (x,), device, args.repeats) * 1e3
+            fused_moe.BLOCK_N, fused_moe.BLOCK_K = result["default_block"]
+            if args.compile:
+                with torch.no_grad():
+                    for label, layer in (("grouped", grouped), ("fused", moe)):
+                        step = wrap_step(layer, "reduce-overhead", (x,))
+                        row[f"{label}_compiled_ms"] = step_time(step, (x,), device, args.repeats) * 1e3
+            rows[tokens] = row
+            print(f"fused_moe {name} {tokens} tokens: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()), flush=True)
+            result["shapes"][name] = rows
+            write_result(args.out, result)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--out", required=True, help="result JSON file")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tokens", type=lambda s: [int(t) for t in s.split(",")], default=[1, 4])
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--compile", action="store_true", help="also time both paths under torch.compile")
+    run(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

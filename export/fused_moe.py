@@ -1,0 +1,66 @@
+"""Routed experts of a few tokens as two Triton kernels over the picked experts (the decode path).
+
+A decode step routes a handful of tokens: at batch 1 with top-6 of 64 experts, six (token, pick) pairs.
+The grouped path (export/moe.py) sorts the pairs by expert, gathers them, counts and offsets the groups,
+runs two grouped GEMMs and puts the outputs back in token order: about a dozen kernels per MoE layer
+where the two GEMMs read 6 of 64 experts. Here each pair is one row of a matrix-vector product against
+its own expert's weights, read in place, so the routed part is two kernels (as vLLM's fused_moe does for
+small batches, without its sort):
+
+- `_gate_up`: h13[p] = w13[e(p)] @ x[token(p)] for every pair p, [P, 2I];
+- `_down`: y[p] = weight(p) * (w2[e(p)] @ (silu(gate[p]) * up[p])), [P, H] float32, summed over
+  the picks outside.
+
+Each pair reads its expert's weights, so the pairs cost more bytes than a grouped call where experts
+repeat: `moe.MoE` takes this path only while the pairs are no more than the experts it holds. The
+kernels round where the grouped path's bf16 ops round (h13, the activation, the product, y), so the two
+paths differ only in summation order. On CUDA they run where Triton does, captured in CUDA graphs and
+inside `torch.compile` (user-defined Triton kernels); on CPU they run only under Triton's interpreter
+(`TRITON_INTERPRET=1` when the kernels' module is imported: the tests).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from types import ModuleType
+
+import torch
+
+# Rows of the weight matrix and columns of the reduction one program handles (bench/fused_moe.py).
+BLOCK_N = 16
+BLOCK_K = 128
+
+
+# export/fused_moe_kernels.py once `load_kernels` ran where Triton is installed, else None.
+KERNELS: ModuleType | None = None
+
+
+def load_kernels() -> None:
+    """Import the kernels where Triton is installed (`MoE.group_experts` does, outside any traced code)."""
+    global KERNELS
+    if KERNELS is None and importlib.util.find_spec("triton") is not None:
+        from triton_mtp.export import fused_moe_kernels
+
+        KERNELS = fused_moe_kernels
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether the kernels run on `device`: CUDA, with the kernels loaded."""
+    return device.type == "cuda" and KERNELS is not None
+
+
+def fused_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_w: torch.Tensor, top_idx: torch.Tensor
+) -> torch.Tensor:
+    """x[N, H], w13[E, 2I, H], w2[E, H, I], top_w[N, K] f32, top_idx[N, K] (local expert ids) -> [N, H] f32."""
+    (N, K), (_, two_i, H) = top_idx.shape, w13.shape
+    pairs = N * K
+    experts = top_idx.reshape(-1).contiguous()  # [P]
+    h13 = torch.empty(pairs, two_i, dtype=x.dtype, device=x.device)  # [P, 2I]
+    KERNELS.gate_up[(pairs, (two_i + BLOCK_N - 1) // BLOCK_N)](
+        x.contiguous(), w13.contiguous(), experts, h13, K, two_i, H, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    y = torch.empty(pairs, H, dtype=torch.float32, device=x.device)  # [P, H]
+    KERNELS.down[(pairs, (H + BLOCK_N - 1) // BLOCK_N)](
+        h13, w2.contiguous(), experts, top_w.reshape(-1).contiguous(), y, H, two_i // 2,
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    return y.view(N, K, H).sum(1)  # [N, H]

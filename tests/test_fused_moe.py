@@ -1,0 +1,95 @@
+"""The decode path of the grouped MoE (export/fused_moe.py), run by Triton's interpreter on the CPU: the
+grouped path's outputs, only the picked experts read, expert-parallel shards that sum to the whole, and
+the dispatch (few picks take the kernels, many the grouped GEMMs)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from test_moe import needs_grouped_mm, random_moe
+from triton_mtp.export import fused_moe
+from triton_mtp.export.parallel import _shard_moe
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """The kernels (made under the interpreter: tests/conftest.py) taken on the CPU; counts the MoE calls
+    that take them."""
+    from triton_mtp.export import fused_moe_kernels
+
+    monkeypatch.setattr(fused_moe, "KERNELS", fused_moe_kernels)
+    monkeypatch.setattr(fused_moe, "runs_on", lambda device: True)
+    calls = []
+    fused = fused_moe.fused_experts
+    monkeypatch.setattr(fused_moe, "fused_experts", lambda *args: calls.append(args[-1].shape) or fused(*args))
+    return calls
+
+
+def grouped_pair(dtype: torch.dtype, seed: int = 0):
+    """The same grouped MoE twice: with the decode kernels and without."""
+    needs_grouped_mm(dtype)
+    moe = random_moe(dtype, seed)
+    moe.group_experts()
+    plain = copy.deepcopy(moe)
+    plain.fused_decode = False
+    return moe, plain
+
+
+# The interpreter truncates where it converts float32 to bf16 (the GPU rounds to nearest, as torch does),
+# which biases the kernels' four roundings: bf16 gets a wider bound here than on the GPU (bench/fused_moe.py).
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("shape", [(1, 1), (2, 1), (1, 4), (2, 2)])  # 2 to 8 picks of 8 experts
+def test_the_kernels_compute_the_grouped_moe(kernels, dtype, tolerance, shape):
+    moe, plain = grouped_pair(dtype)
+    x = torch.randn(*shape, 64, dtype=dtype)  # [B, T, H]
+    fused, grouped = moe(x), plain(x)  # [B, T, H] each
+    assert kernels == [(shape[0] * shape[1], 2)]
+    assert fused.shape == grouped.shape and fused.dtype == grouped.dtype
+    assert (fused.float() - grouped.float()).abs().max() <= tolerance * grouped.float().abs().max()
+
+
+def test_more_picks_than_experts_take_the_grouped_gemms(kernels):
+    moe, plain = grouped_pair(torch.float32)
+    x = torch.randn(5, 64)  # [N, H]: 10 picks of 8 experts
+    assert torch.equal(moe(x), plain(x)) and kernels == []
+
+
+def test_the_kernels_read_only_the_picked_experts(kernels):
+    moe, _ = grouped_pair(torch.float32)
+    x = torch.randn(3, 64)  # [N, H]: 6 picks leave at least 2 of the 8 experts unpicked
+    before = moe(x)  # [N, H]
+    picked = moe.gate(x).gt(0).any(dim=0)  # [E]
+    assert (~picked).sum() >= 2
+    with torch.no_grad():
+        moe.w13[~picked] = float("nan")
+        moe.w2[~picked] = float("nan")
+    assert torch.equal(moe(x), before) and len(kernels) == 2
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_expert_parallel_shards_sum_to_the_whole(kernels, world_size):
+    needs_grouped_mm(torch.float32)
+    moe = random_moe(torch.float32)
+    x = torch.randn(1, 1, 64)  # [B, T, H]: 2 picks, within every shard's experts
+    whole = moe(x)  # [B, T, H] (dense)
+    parts = []
+    for rank in range(world_size):
+        shard = copy.deepcopy(moe)
+        _shard_moe(shard, rank, world_size)
+        shard.group_experts()
+        parts.append(shard(x))  # [B, T, H] partial sum; picks of other ranks' experts weigh zero
+    assert len(kernels) == world_size
+    assert torch.allclose(torch.stack(parts).sum(0), whole, atol=1e-5, rtol=1e-5)
+
+
+def test_grouping_loads_the_kernels_which_run_only_on_cuda(monkeypatch):
+    monkeypatch.setattr(fused_moe, "KERNELS", None)
+    moe = random_moe(torch.float32)
+    moe.group_experts()
+    assert fused_moe.KERNELS is not None
+    assert not fused_moe.runs_on(torch.device("cpu")) and fused_moe.runs_on(torch.device("cuda"))
