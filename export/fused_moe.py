@@ -12,7 +12,9 @@ small batches, without its sort):
   the picks outside.
 
 Each pair reads its expert's weights, so the pairs cost more bytes than a grouped call where experts
-repeat: `moe.MoE` takes this path only while the pairs are no more than the experts it holds. The
+repeat: `moe.MoE` takes this path only while the pairs are no more than the experts it holds, or their
+reads fit in REREAD_BYTES (small experts, as the bundled model's: a repeated expert comes from the L2
+cache, and the grouped path's dozen launches cost more than the bytes). The
 kernels round where the grouped path's bf16 ops round (h13, the activation, the product, y), so the two
 paths differ only in summation order. On CUDA they run where Triton does, captured in CUDA graphs and
 inside `torch.compile` (user-defined Triton kernels); on CPU they run only under Triton's interpreter
@@ -31,6 +33,10 @@ BLOCK_N = 16
 BLOCK_K = 128
 
 
+# Pairs beyond the experts held still take the kernels while their weight reads fit in this (about half of
+# an H100's L2 cache). 32 MiB admits 455 pairs of the bundled model's experts and one of DeepSeek-V2-Lite's.
+REREAD_BYTES = 32 * 2**20
+
 # export/fused_moe_kernels.py once `load_kernels` ran where Triton is installed, else None.
 KERNELS: ModuleType | None = None
 
@@ -47,6 +53,12 @@ def load_kernels() -> None:
 def runs_on(device: torch.device) -> bool:
     """Whether the kernels run on `device`: CUDA, with the kernels loaded."""
     return device.type == "cuda" and KERNELS is not None
+
+
+def takes(pairs: int, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether `pairs` (token, pick) pairs over experts w13[E, 2I, H], w2[E, H, I] go through the kernels."""
+    expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+    return pairs <= w13.shape[0] or pairs * expert_bytes <= REREAD_BYTES
 
 
 def fused_experts(

@@ -13,9 +13,9 @@ The routed experts run one of two ways (`MOE_KINDS`):
   CPU build runs it for fp32 and bf16 too, but the default there stays dense; torch.compile takes it in
   bf16 only (its meta kernel checks the dtype), so compiled steps need bf16. Under expert
   parallelism a rank holds E/W experts and takes K picks among them, so picks with zero weight may
-  read experts no token chose; the sum is the same. Where the picks are no more than the experts (a
-  decode step) and Triton runs (CUDA), the routed part is instead two kernels that read each pick's
-  expert in place (export/fused_moe.py): no sort, gather or offsets.
+  read experts no token chose; the sum is the same. Where the picks are few (a decode step: no more than
+  the experts, or few bytes of them) and Triton runs (CUDA), the routed part is instead two kernels that
+  read each pick's expert in place (export/fused_moe.py): no sort, gather or offsets.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class MoE(nn.Module):
         self.register_parameter("w13", None)  # [E, 2I, H] once grouped
         self.register_parameter("w2", None)  # [E, H, I] once grouped
         self.first_expert = 0  # of the experts held here (expert parallelism: export/parallel.py)
-        self.fused_decode = True  # grouped: few picks run export/fused_moe.py's kernels where they run
+        self.fused_decode = True  # grouped: few picks go through export/fused_moe.py's kernels where they run
 
     @property
     def grouped(self) -> bool:
@@ -133,7 +133,7 @@ class MoE(nn.Module):
         if E < self.gate.num_experts:  # expert parallel: picks of other ranks' experts weigh zero here
             local = top_idx - self.first_expert  # [N, K]
             top_w, top_idx = top_w * ((local >= 0) & (local < E)), local.clamp(0, E - 1)  # [N, K] each
-        if self.fused_decode and N * K <= E and fused_moe.runs_on(flat.device):
+        if self.fused_decode and fused_moe.runs_on(flat.device) and fused_moe.takes(N * K, self.w13, self.w2):
             return fused_moe.fused_experts(flat, self.w13, self.w2, top_w, top_idx)  # [N, H]
         experts = top_idx.reshape(-1)  # [N*K]
         order = experts.argsort(stable=True)  # [N*K] (token, pick) pairs grouped by expert

@@ -53,10 +53,13 @@ def test_the_kernels_compute_the_grouped_moe(kernels, dtype, tolerance, shape):
     assert (fused.float() - grouped.float()).abs().max() <= tolerance * grouped.float().abs().max()
 
 
-def test_more_picks_than_experts_take_the_grouped_gemms(kernels):
+def test_more_picks_than_experts_take_the_grouped_gemms_unless_their_bytes_are_few(kernels, monkeypatch):
     moe, plain = grouped_pair(torch.float32)
-    x = torch.randn(5, 64)  # [N, H]: 10 picks of 8 experts
+    x = torch.randn(5, 64)  # [N, H]: 10 picks of 8 experts of 24 KiB each
+    monkeypatch.setattr(fused_moe, "REREAD_BYTES", 10 * 24 * 1024 - 1)
     assert torch.equal(moe(x), plain(x)) and kernels == []
+    monkeypatch.setattr(fused_moe, "REREAD_BYTES", 10 * 24 * 1024)
+    assert torch.allclose(moe(x), plain(x), atol=1e-5, rtol=1e-5) and kernels == [(5, 2)]
 
 
 def test_the_kernels_read_only_the_picked_experts(kernels):

@@ -59,8 +59,17 @@ def save(
 COMPILE_OPTIONS = {"emulate_precision_casts": True}
 
 
+# Compiled variants of one step's code (dynamo's recompile_limit, 8 by default). The served graphs need more:
+# sizes of 1 specialize, the MTP layers share `MTPLayerStep.forward` and guard on their layer, and the MoE
+# guards on how many picks go through export/fused_moe.py's kernels. Past the limit dynamo runs the step
+# uncompiled, which the served logs showed for the target at batch 64 and for MTP calls (runs 29 to 33).
+RECOMPILE_LIMIT = 64
+
+
 def compile_step(step: nn.Module) -> nn.Module:
-    """`torch.compile(step, dynamic=True)` with eager's rounding (COMPILE_OPTIONS), as the steps are served."""
+    """`torch.compile(step, dynamic=True)` with eager's rounding (COMPILE_OPTIONS), as the steps are served;
+    raises dynamo's recompile limit to RECOMPILE_LIMIT for the process."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     return torch.compile(step, dynamic=True, options=COMPILE_OPTIONS)
 
 
