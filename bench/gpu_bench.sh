@@ -86,6 +86,17 @@ checkpoint=${1:-}
 [ -n "$checkpoint" ] && { checkpoint=$(cd "$checkpoint" && pwd) || { echo "checkpoint directory not found: $1"; exit 1; }; }
 [ -n "${BENCH_REPOSITORY:-}" ] && BENCH_REPOSITORY=$(cd "$BENCH_REPOSITORY" && pwd)
 [ -n "${BENCH_LOCAL_REPOSITORY:-}" ] && BENCH_LOCAL_REPOSITORY=$(realpath -m "$BENCH_LOCAL_REPOSITORY")
+if [ -n "${BENCH_AB:-}" ]; then  # a relative code=DIR is relative to here: the stages run from the shim below
+    changes=()
+    for change in $BENCH_AB; do
+        IFS=, read -ra items <<<"$change"
+        for i in "${!items[@]}"; do
+            [[ ${items[$i]} == code=* ]] && items[$i]=code=$(realpath -m "${items[$i]#code=}")
+        done
+        changes+=("$(IFS=,; echo "${items[*]}")")
+    done
+    BENCH_AB=${changes[*]}
+fi
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 work=$(mktemp -d)

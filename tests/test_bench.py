@@ -306,8 +306,8 @@ def test_chain_check_finds_the_chain_graph_agreeing(drafting_checkpoint, tmp_pat
 
 def test_triton_ab_serves_each_change_beside_the_export_in_one_server(tmp_path):
     """gpu_bench's triton_local_ab stage (bench/triton_ab.py): the server loads the export and one model per change;
-    each model runs with its parameters as changed, or with the code of another tree of the project (`code`), and
-    emits the export's greedy tokens (the same weights)."""
+    each model runs with its parameters as changed, or with the code of another tree of the project (`code`, a path
+    relative to where the script starts), and emits the export's greedy tokens (the same weights)."""
     checkpoint = perfect_drafter_checkpoint(tmp_path / "checkpoint")
     tree = tmp_path / "tree"  # the project's code, its spec_decode marked so that the log shows which code served
     for package in ("triton_mtp", "serving", "export", "client", "train", "model_repository", "bench"):
@@ -317,7 +317,8 @@ def test_triton_ab_serves_each_change_beside_the_export_in_one_server(tmp_path):
         "    def initialize(self, args):\n", "    def initialize(self, args):\n        triton_io.log('spec_decode: the tree copy')\n"))
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "BENCH_SMOKE": "1", "BENCH_ONLY": "export_local triton_local_ab",
-           "BENCH_AB": f"response_lag_steps=1 stream_interval=3,spec_disable_rows=1 code={tree}", "BENCH_AB_ROUNDS": "2",
+           "BENCH_AB": f"response_lag_steps=1 stream_interval=3,spec_disable_rows=1 code={os.path.relpath(tree, REPO)}",
+           "BENCH_AB_ROUNDS": "2",
            "BENCH_AB_REQUESTS_PER_STREAM": "1", "BENCH_RESPONSE_THREADS": "1"}
     env.pop("BENCH_REPOSITORY", None)
     done = subprocess.run(["bash", "bench/gpu_bench.sh", str(checkpoint)], cwd=REPO, env=env,
