@@ -1,7 +1,8 @@
 """One grouped MoE layer at decode sizes: the grouped GEMMs against export/fused_moe.py's kernels.
 
 For the V2-Lite shape (hidden 2048, 64 routed experts of 1408, top-6, 2 shared) and the bundled model's
-(hidden 256, 8 experts of 48, top-2, 1 shared), and 1 to 4 tokens (a decode step, a k = 3 verify window):
+(hidden 256, 8 experts of 48, top-2, 1 shared), and 1 to 64 tokens (a decode step, a k = 3 verify window, batches
+of them, where the bundled model's pairs outnumber its experts and the 32 MiB rule of export/fused_moe.py decides):
 the layer's time as a replayed CUDA graph with the grouped path and with the kernels at several block
 sizes, the kernels' compiled time (`torch.compile`, as the eager format serves), and the kernels' error
 against the grouped path in bf16 and against float32.
@@ -62,12 +63,15 @@ def run(args: argparse.Namespace) -> dict:
                        "error_vs_fp32": relative_error(moe(x), reference(x.float())),
                        "grouped_error_vs_fp32": relative_error(grouped(x), reference(x.float())),
                        "grouped_ms": step_time(wrap_step(grouped, "cudagraph", (x,)), (x,), device, args.repeats) * 1e3}
-            for block_n, block_k in BLOCKS:
-                fused_moe.BLOCK_N, fused_moe.BLOCK_K = block_n, block_k
-                with torch.no_grad():
-                    step = wrap_step(moe, "cudagraph", (x,))
-                    row[f"fused_ms_{block_n}x{block_k}"] = step_time(step, (x,), device, args.repeats) * 1e3
-            fused_moe.BLOCK_N, fused_moe.BLOCK_K = result["default_block"]
+            row["kernels_taken"] = fused_moe.takes(tokens * shape["num_experts_per_tok"], moe.w13, moe.w2)
+            try:
+                for block_n, block_k in BLOCKS:
+                    fused_moe.BLOCK_N, fused_moe.BLOCK_K = block_n, block_k
+                    with torch.no_grad():
+                        step = wrap_step(moe, "cudagraph", (x,))
+                        row[f"fused_ms_{block_n}x{block_k}"] = step_time(step, (x,), device, args.repeats) * 1e3
+            finally:
+                fused_moe.BLOCK_N, fused_moe.BLOCK_K = result["default_block"]
             if args.compile:
                 with torch.no_grad():
                     for label, layer in (("grouped", grouped), ("fused", moe)):
@@ -84,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--out", required=True, help="result JSON file")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tokens", type=lambda s: [int(t) for t in s.split(",")], default=[1, 4])
+    parser.add_argument("--tokens", type=lambda s: [int(t) for t in s.split(",")], default=[1, 4, 16, 64],
+                        help="tokens a call (default 1,4,16,64; `kernels_taken` says where the MoE takes the kernels)")
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--compile", action="store_true", help="also time both paths under torch.compile")
     run(parser.parse_args(argv))

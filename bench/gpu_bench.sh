@@ -87,13 +87,13 @@ checkpoint=${1:-}
 [ -n "${BENCH_REPOSITORY:-}" ] && BENCH_REPOSITORY=$(cd "$BENCH_REPOSITORY" && pwd)
 [ -n "${BENCH_LOCAL_REPOSITORY:-}" ] && BENCH_LOCAL_REPOSITORY=$(realpath -m "$BENCH_LOCAL_REPOSITORY")
 if [ -n "${BENCH_AB:-}" ]; then  # a relative code=DIR is relative to here: the stages run from the shim below
-    changes=()
-    for change in $BENCH_AB; do
-        IFS=, read -ra items <<<"$change"
+    read -ra changes <<<"$BENCH_AB"
+    for c in "${!changes[@]}"; do
+        IFS=, read -ra items <<<"${changes[$c]}"
         for i in "${!items[@]}"; do
-            [[ ${items[$i]} == code=* ]] && items[$i]=code=$(realpath -m "${items[$i]#code=}")
+            [[ ${items[$i]} == code=?* ]] && items[$i]=code=$(realpath -m "${items[$i]#code=}")
         done
-        changes+=("$(IFS=,; echo "${items[*]}")")
+        changes[$c]=$(IFS=,; printf '%s' "${items[*]}")
     done
     BENCH_AB=${changes[*]}
 fi

@@ -167,11 +167,13 @@ def profile_step(target: DeepseekV3Target, inputs: tuple[torch.Tensor, ...], pat
     Path(path).write_text(prof.key_averages().table(sort_by=sort, row_limit=40) + "\n")
 
 
-def _variants(text: str) -> list[str]:
+def parse_variants(text: str) -> list[str]:
     names = text.split(",")
     unknown = set(names) - {"dense", "selected", "fused"}
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown MoE variants {sorted(unknown)} (dense, selected, fused)")
+    if "dense" in names[1:]:  # grouping the experts cannot be undone
+        raise argparse.ArgumentTypeError("dense must come first: the grouped variants group the experts for good")
     return names
 
 
@@ -189,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experts", type=int, help="override n_routed_experts (smoke runs)")
     parser.add_argument("--vocab", type=int, help="override vocab_size (smoke runs)")
     parser.add_argument("--profile", metavar="FILE", help="write the op table of one eager step here")
-    parser.add_argument("--variants", default=["dense", "selected", "fused"], type=_variants,
+    parser.add_argument("--variants", default=["dense", "selected", "fused"], type=parse_variants,
                         help="MoE variants to time, in order (default dense,selected,fused): dense, selected "
                              "(the grouped GEMMs), fused (grouped, decode steps through export/fused_moe.py's kernels)")
     run(parser.parse_args(argv))

@@ -57,7 +57,7 @@ def runs_on(device: torch.device) -> bool:
 
 def takes(pairs: int, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether `pairs` (token, pick) pairs over experts w13[E, 2I, H], w2[E, H, I] go through the kernels."""
-    expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+    expert_bytes = (w13.shape[1] * w13.shape[2] + w2.shape[1] * w2.shape[2]) * w13.element_size()
     return pairs <= w13.shape[0] or pairs * expert_bytes <= REREAD_BYTES
 
 

@@ -20,10 +20,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
-# Triton's interpreter runs export/fused_moe.py's kernels on the CPU (tests/test_fused_moe.py). Triton reads
-# the setting when it is first imported, so it is made before anything imports it.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# Without a GPU, Triton's interpreter runs export/fused_moe.py's kernels on the CPU (tests/test_fused_moe.py).
+# Triton reads the setting when it is first imported, so it is made before anything imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from triton_mtp.serving.server import TritonServer, free_ports  # noqa: E402
 

@@ -1,4 +1,5 @@
 """CPU smoke of the benchmark harness: bench/gpu_bench.sh end to end, the standalone loop, the realistic floor."""
+import argparse
 import json
 import os
 import shutil
@@ -17,7 +18,7 @@ from triton_mtp.export.synthetic import random_weights, write_checkpoint
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.realistic import bytes_touched, v2_lite_config  # noqa: E402
+from bench.realistic import bytes_touched, parse_variants, v2_lite_config  # noqa: E402
 from bench.triton_ab import ab_repository  # noqa: E402
 
 
@@ -160,6 +161,14 @@ def test_v2_lite_floor_counts_the_published_parameters_per_step():
         target = DeepseekV3Target(config, max_slots=1, max_seq_len=16).to(torch.bfloat16)
     assert abs(bytes_touched(config, target, selected=True) / 2 / 1e9 - 2.45) < 0.01
     assert bytes_touched(config, target, selected=False) / 2 / 1e9 > 15
+
+
+def test_realistic_refuses_the_dense_moe_after_a_grouped_one():
+    """Grouping the experts cannot be undone, so a dense variant after a grouped one would time the grouped MoE."""
+    assert parse_variants("dense,selected,fused") == ["dense", "selected", "fused"]
+    for bad in ("fused,dense", "selected,dense", "dense,sparse"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_variants(bad)
 
 
 @pytest.mark.parametrize("hops", ["bls", "local"])  # the artifacts under target/ and mtp/, or inside spec_decode/

@@ -53,6 +53,23 @@ def test_the_kernels_compute_the_grouped_moe(kernels, dtype, tolerance, shape):
     assert (fused.float() - grouped.float()).abs().max() <= tolerance * grouped.float().abs().max()
 
 
+@pytest.mark.parametrize("H, I, block_n, block_k", [(200, 72, 16, 128), (33, 7, 32, 16), (300, 140, 16, 16)])
+def test_the_kernels_compute_each_pair_over_several_blocks(kernels, monkeypatch, H, I, block_n, block_k):
+    """Sizes that are not multiples of the blocks, and reductions over several of them, against float32 einsums."""
+    monkeypatch.setattr(fused_moe, "BLOCK_N", block_n)
+    monkeypatch.setattr(fused_moe, "BLOCK_K", block_k)
+    torch.manual_seed(0)
+    E, N, K = 5, 3, 2
+    x, w13, w2 = torch.randn(N, H), torch.randn(E, 2 * I, H), torch.randn(E, H, I)  # [N, H], [E, 2I, H], [E, H, I]
+    top_w, top_idx = torch.rand(N, K), torch.randint(0, E, (N, K))  # [N, K] each
+    h13 = torch.einsum("nkoh,nh->nko", w13[top_idx], x)  # [N, K, 2I]
+    gate, up = h13.chunk(2, dim=-1)  # [N, K, I] each
+    ys = torch.einsum("nkhi,nki->nkh", w2[top_idx], torch.nn.functional.silu(gate) * up)  # [N, K, H]
+    expected = (ys * top_w[..., None]).sum(1)  # [N, H]
+    out = fused_moe.fused_experts(x, w13, w2, top_w, top_idx)  # [N, H]
+    assert (out - expected).abs().max() <= 1e-5 * expected.abs().max()  # summation order alone
+
+
 def test_more_picks_than_experts_take_the_grouped_gemms_unless_their_bytes_are_few(kernels, monkeypatch):
     moe, plain = grouped_pair(torch.float32)
     x = torch.randn(5, 64)  # [N, H]: 10 picks of 8 experts of 24 KiB each

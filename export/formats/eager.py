@@ -69,7 +69,9 @@ RECOMPILE_LIMIT = 64
 def compile_step(step: nn.Module) -> nn.Module:
     """`torch.compile(step, dynamic=True)` with eager's rounding (COMPILE_OPTIONS), as the steps are served;
     raises dynamo's recompile limit to RECOMPILE_LIMIT for the process."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # its name before 2.7
+    setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
     return torch.compile(step, dynamic=True, options=COMPILE_OPTIONS)
 
 
