@@ -7,16 +7,16 @@ where the two GEMMs read 6 of 64 experts. Here each pair is one row of a matrix-
 its own expert's weights, read in place, so the routed part is two kernels (as vLLM's fused_moe does for
 small batches, without its sort):
 
-- `_gate_up`: h13[p] = w13[e(p)] @ x[token(p)] for every pair p, [P, 2I];
-- `_down`: y[p] = weight(p) * (w2[e(p)] @ (silu(gate[p]) * up[p])), [P, H] float32, summed over
+- `gate_up`: h13[p] = w13[e(p)] @ x[token(p)] for every pair p, [P, 2I];
+- `down`: y[p] = weight(p) * (w2[e(p)] @ (silu(gate[p]) * up[p])), [P, H] float32, summed over
   the picks outside.
 
 Each pair reads its expert's weights, so the pairs cost more bytes than a grouped call where experts
 repeat: `moe.MoE` takes this path only while the pairs are no more than the experts it holds, or their
 reads fit in REREAD_BYTES (small experts, as the bundled model's: a repeated expert comes from the L2
-cache, and the grouped path's dozen launches cost more than the bytes). The
-kernels round where the grouped path's bf16 ops round (h13, the activation, the product, y), so the two
-paths differ only in summation order. On CUDA they run where Triton does, captured in CUDA graphs and
+cache, and the grouped path's dozen launches cost more than the bytes). The kernels round where the
+grouped path's bf16 ops round (h13, the activation, the product, y), so the two paths differ only in
+summation order. On CUDA they run where Triton does, captured in CUDA graphs and
 inside `torch.compile` (user-defined Triton kernels); on CPU they run only under Triton's interpreter
 (`TRITON_INTERPRET=1` when the kernels' module is imported: the tests).
 """
@@ -33,8 +33,8 @@ BLOCK_N = 16
 BLOCK_K = 128
 
 
-# Pairs beyond the experts held still take the kernels while their weight reads fit in this (about half of
-# an H100's L2 cache). 32 MiB admits 455 pairs of the bundled model's experts and one of DeepSeek-V2-Lite's.
+# Pairs beyond the experts held still take the kernels while their weight reads fit in this (about two thirds
+# of an H100's 50 MB L2 cache). 32 MiB admits 455 pairs of the bundled model's experts and one of DeepSeek-V2-Lite's.
 REREAD_BYTES = 32 * 2**20
 
 # export/fused_moe_kernels.py once `load_kernels` ran where Triton is installed, else None.
