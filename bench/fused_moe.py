@@ -59,9 +59,10 @@ def run(args: argparse.Namespace) -> dict:
         for tokens in args.tokens:
             x = torch.randn(tokens, 1, shape["hidden_size"], device=device, dtype=torch.bfloat16)  # [N, 1, H]
             with torch.no_grad():
-                row = {"error_vs_grouped_bf16": relative_error(moe(x), grouped(x)),
-                       "error_vs_fp32": relative_error(moe(x), reference(x.float())),
-                       "grouped_error_vs_fp32": relative_error(grouped(x), reference(x.float())),
+                fused_out, grouped_out, fp32_out = moe(x), grouped(x), reference(x.float())  # [N, 1, H] each
+                row = {"error_vs_grouped_bf16": relative_error(fused_out, grouped_out),
+                       "error_vs_fp32": relative_error(fused_out, fp32_out),
+                       "grouped_error_vs_fp32": relative_error(grouped_out, fp32_out),
                        "grouped_ms": step_time(wrap_step(grouped, "cudagraph", (x,)), (x,), device, args.repeats) * 1e3}
             row["kernels_taken"] = fused_moe.takes(tokens * shape["num_experts_per_tok"], moe.w13, moe.w2)
             try:

@@ -9,9 +9,8 @@ import copy
 import pytest
 import torch
 
-from test_moe import needs_grouped_mm, random_moe
+from test_moe import assert_unpicked_experts_unread, needs_grouped_mm, random_moe, sharded_sum
 from triton_mtp.export import fused_moe
-from triton_mtp.export.parallel import _shard_moe
 
 pytest.importorskip("triton")
 
@@ -81,14 +80,8 @@ def test_more_picks_than_experts_take_the_grouped_gemms_unless_their_bytes_are_f
 
 def test_the_kernels_read_only_the_picked_experts(kernels):
     moe, _ = grouped_pair(torch.float32)
-    x = torch.randn(3, 64)  # [N, H]: 6 picks leave at least 2 of the 8 experts unpicked
-    before = moe(x)  # [N, H]
-    picked = moe.gate(x).gt(0).any(dim=0)  # [E]
-    assert (~picked).sum() >= 2
-    with torch.no_grad():
-        moe.w13[~picked] = float("nan")
-        moe.w2[~picked] = float("nan")
-    assert torch.equal(moe(x), before) and len(kernels) == 2
+    assert_unpicked_experts_unread(moe, torch.randn(3, 64))  # 6 picks of 8 experts
+    assert len(kernels) == 2  # both calls took the kernels
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -97,14 +90,8 @@ def test_expert_parallel_shards_sum_to_the_whole(kernels, world_size):
     moe = random_moe(torch.float32)
     x = torch.randn(1, 1, 64)  # [B, T, H]: 2 picks, within every shard's experts
     whole = moe(x)  # [B, T, H] (dense)
-    parts = []
-    for rank in range(world_size):
-        shard = copy.deepcopy(moe)
-        _shard_moe(shard, rank, world_size)
-        shard.group_experts()
-        parts.append(shard(x))  # [B, T, H] partial sum; picks of other ranks' experts weigh zero
-    assert len(kernels) == world_size
-    assert torch.allclose(torch.stack(parts).sum(0), whole, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(sharded_sum(moe, x, world_size), whole, atol=1e-5, rtol=1e-5)
+    assert len(kernels) == world_size  # every shard took the kernels
 
 
 def test_grouping_loads_the_kernels_which_run_only_on_cuda(monkeypatch):

@@ -76,11 +76,8 @@ def test_grouping_stacks_the_experts_once():
     assert {"w13", "w2"} <= names and not any(name.startswith("experts.") for name in names)
 
 
-def test_experts_no_token_picked_are_never_read():
-    needs_grouped_mm(torch.float32)
-    moe = random_moe(torch.float32)
-    moe.group_experts()
-    x = torch.randn(3, 64)  # [N, H]: 3 tokens × top-2 picks leave at least 2 of the 8 experts unpicked
+def assert_unpicked_experts_unread(moe: MoE, x: torch.Tensor) -> None:
+    """Setting the experts no token of x[N, H] picked (at least 2) to NaN leaves the grouped `moe(x)` unchanged."""
     before = moe(x)  # [N, H]
     picked = moe.gate(x).gt(0).any(dim=0)  # [E]
     assert (~picked).sum() >= 2
@@ -88,6 +85,25 @@ def test_experts_no_token_picked_are_never_read():
         moe.w13[~picked] = float("nan")
         moe.w2[~picked] = float("nan")
     assert torch.equal(moe(x), before)
+
+
+def sharded_sum(moe: MoE, x: torch.Tensor, world_size: int) -> torch.Tensor:
+    """The sum of the expert-parallel shards' outputs for x, each shard grouped after sharding."""
+    parts = []
+    for rank in range(world_size):
+        shard = copy.deepcopy(moe)
+        _shard_moe(shard, rank, world_size)
+        shard.group_experts()
+        assert shard.w13.shape[0] == moe.gate.num_experts // world_size
+        parts.append(shard(x))  # partial sum: picks of other ranks' experts weigh zero
+    return torch.stack(parts).sum(0)
+
+
+def test_experts_no_token_picked_are_never_read():
+    needs_grouped_mm(torch.float32)
+    moe = random_moe(torch.float32)
+    moe.group_experts()
+    assert_unpicked_experts_unread(moe, torch.randn(3, 64))  # 3 tokens × top-2 picks of 8 experts
 
 
 @pytest.mark.parametrize("world_size", [2, 8])
@@ -99,14 +115,7 @@ def test_expert_parallel_shards_of_the_grouped_moe_sum_to_the_whole(world_size, 
     whole = moe(x)  # [B, T, H]
     if grouped_first:
         moe.group_experts()
-    parts = []
-    for rank in range(world_size):
-        shard = copy.deepcopy(moe)
-        _shard_moe(shard, rank, world_size)
-        shard.group_experts()
-        assert shard.w13.shape[0] == 8 // world_size
-        parts.append(shard(x))  # [B, T, H] partial sum
-    assert torch.allclose(torch.stack(parts).sum(0), whole, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(sharded_sum(moe, x, world_size), whole, atol=1e-5, rtol=1e-5)
 
 
 def test_default_kind_is_dense_on_cpu():
