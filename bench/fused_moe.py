@@ -4,8 +4,9 @@ For the V2-Lite shape (hidden 2048, 64 routed experts of 1408, top-6, 2 shared) 
 (hidden 256, 8 experts of 48, top-2, 1 shared), and 1 to 64 tokens (a decode step, a k = 3 verify window, batches
 of them, where the bundled model's pairs outnumber its experts and the 32 MiB rule of export/fused_moe.py decides):
 the layer's time as a replayed CUDA graph with the grouped path and with the kernels at several block
-sizes, the kernels' compiled time (`torch.compile`, as the eager format serves), and the kernels' error
-against the grouped path in bf16 and against float32.
+sizes (the shared experts folded into both), with the kernels and the shared experts as their own MLP
+(`apart_ms`), the kernels' compiled time (`torch.compile`, as the eager format serves), and the kernels'
+error against the grouped path in bf16 and against float32.
 
     python -m bench.fused_moe --out fused_moe.json
 """
@@ -55,6 +56,8 @@ def run(args: argparse.Namespace) -> dict:
         grouped = copy.deepcopy(moe)
         grouped.fused_decode = False
         reference = copy.deepcopy(grouped).float()
+        apart = copy.deepcopy(moe)
+        apart.unfold_shared_experts()
         rows = {}
         for tokens in args.tokens:
             x = torch.randn(tokens, 1, shape["hidden_size"], device=device, dtype=torch.bfloat16)  # [N, 1, H]
@@ -63,8 +66,10 @@ def run(args: argparse.Namespace) -> dict:
                 row = {"error_vs_grouped_bf16": relative_error(fused_out, grouped_out),
                        "error_vs_fp32": relative_error(fused_out, fp32_out),
                        "grouped_error_vs_fp32": relative_error(grouped_out, fp32_out),
-                       "grouped_ms": step_time(wrap_step(grouped, "cudagraph", (x,)), (x,), device, args.repeats) * 1e3}
-            row["kernels_taken"] = fused_moe.takes(tokens * shape["num_experts_per_tok"], moe.w13, moe.w2)
+                       "grouped_ms": step_time(wrap_step(grouped, "cudagraph", (x,)), (x,), device, args.repeats) * 1e3,
+                       "apart_ms": step_time(wrap_step(apart, "cudagraph", (x,)), (x,), device, args.repeats) * 1e3}
+            picks = shape["num_experts_per_tok"] + moe.shared_in_stack
+            row["kernels_taken"] = fused_moe.takes(tokens * picks, moe.w13, moe.w2)
             try:
                 for block_n, block_k in BLOCKS:
                     fused_moe.BLOCK_N, fused_moe.BLOCK_K = block_n, block_k

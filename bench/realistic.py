@@ -6,7 +6,8 @@ top-6 plus 2 shared (moe_intermediate 1408), first layer dense (10944), vocabula
 step (one token, context `--context` tokens) is captured as a CUDA graph and replayed; it is timed
 with the dense MoE (every expert on every token), then with the grouped MoE the eager export serves on
 GPUs (`export.moe`, `MoE.group_experts`: only the selected experts' weights are read) through its
-grouped GEMMs ("selected") and through the decode kernels of export/fused_moe.py ("fused"). Where
+grouped GEMMs ("selected") and through the decode kernels of export/fused_moe.py ("fused"; "fused-apart"
+keeps the shared experts as their own MLP instead of folding them into the kernels' picks). Where
 grouped_mm does not run natively for the device and dtype, the grouped variants are left out.
 `--profile FILE` writes the op table (torch.profiler) of one eager step of the last variant.
 
@@ -125,9 +126,8 @@ def run(args: argparse.Namespace) -> dict:
               "params": sum(p.numel() for p in target.parameters()),
               "grouped_mm": grouped_mm_works(device, dtype), "moe": {}}
     selected = bytes_touched(config, target, True)
-    variants = {"dense": bytes_touched(config, target, False), "selected": selected, "fused": selected}
-    variants = {name: variants[name] for name in args.variants}
-    if not result["grouped_mm"] and {"selected", "fused"} & variants.keys():
+    variants = {name: bytes_touched(config, target, False) if name == "dense" else selected for name in args.variants}
+    if not result["grouped_mm"] and set(GROUPED) & variants.keys():
         print(f"realistic: grouped_mm does not run for {args.dtype} on {device}; leaving out the grouped MoE", flush=True)
         variants = {name: touched for name, touched in variants.items() if name == "dense"}
     for name, touched in variants.items():
@@ -135,7 +135,11 @@ def run(args: argparse.Namespace) -> dict:
             group_experts(target)
             for module in target.modules():
                 if isinstance(module, MoE):
-                    module.fused_decode = name == "fused"
+                    module.fused_decode = name != "selected"
+                    if name == "fused-apart":
+                        module.unfold_shared_experts()
+                    else:
+                        module.fold_shared_experts()
         with torch.no_grad():
             eager_s = step_time(target, inputs, device, max(2, args.repeats // 10))
         step = wrap_step(target, args.graphs, inputs)
@@ -167,11 +171,15 @@ def profile_step(target: DeepseekV3Target, inputs: tuple[torch.Tensor, ...], pat
     Path(path).write_text(prof.key_averages().table(sort_by=sort, row_limit=40) + "\n")
 
 
+# The grouped MoE's variants; any order, after dense.
+GROUPED = ("selected", "fused-apart", "fused")
+
+
 def parse_variants(text: str) -> list[str]:
     names = text.split(",")
-    unknown = set(names) - {"dense", "selected", "fused"}
+    unknown = set(names) - {"dense", *GROUPED}
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown MoE variants {sorted(unknown)} (dense, selected, fused)")
+        raise argparse.ArgumentTypeError(f"unknown MoE variants {sorted(unknown)} (dense, {', '.join(GROUPED)})")
     if "dense" in names[1:]:  # grouping the experts cannot be undone
         raise argparse.ArgumentTypeError("dense must come first: the grouped variants group the experts for good")
     return names
@@ -191,9 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experts", type=int, help="override n_routed_experts (smoke runs)")
     parser.add_argument("--vocab", type=int, help="override vocab_size (smoke runs)")
     parser.add_argument("--profile", metavar="FILE", help="write the op table of one eager step here")
-    parser.add_argument("--variants", default=["dense", "selected", "fused"], type=parse_variants,
-                        help="MoE variants to time, in order (default dense,selected,fused): dense, selected "
-                             "(the grouped GEMMs), fused (grouped, decode steps through export/fused_moe.py's kernels)")
+    parser.add_argument("--variants", default=["dense", *GROUPED], type=parse_variants,
+                        help="MoE variants to time, in order (default dense,selected,fused-apart,fused): dense, "
+                             "selected (the grouped GEMMs), fused-apart (grouped, decode steps through "
+                             "export/fused_moe.py's kernels, the shared experts their own MLP), fused (the shared "
+                             "experts folded into the kernels' picks)")
     run(parser.parse_args(argv))
     return 0
 

@@ -11,6 +11,9 @@ small batches, without its sort):
 - `down`: y[p] = weight(p) * (w2[e(p)] @ (silu(gate[p]) * up[p])), [P, H] float32, summed over
   the picks outside.
 
+The shared experts folded into the stack (`MoE.fold_shared_experts`) are pairs too: each token's last S
+picks, their experts and weight 1 set in the kernels, so the shared MLP costs no launches of its own.
+
 Each pair reads its expert's weights, so the pairs cost more bytes than a grouped call where experts
 repeat: `moe.MoE` takes this path only while the pairs are no more than the experts it holds, or their
 reads fit in REREAD_BYTES (small experts, as the bundled model's: a repeated expert comes from the L2
@@ -62,17 +65,20 @@ def takes(pairs: int, w13: torch.Tensor, w2: torch.Tensor) -> bool:
 
 
 def fused_experts(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_w: torch.Tensor, top_idx: torch.Tensor
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_w: torch.Tensor, top_idx: torch.Tensor, shared: int = 0
 ) -> torch.Tensor:
-    """x[N, H], w13[E, 2I, H], w2[E, H, I], top_w[N, K] f32, top_idx[N, K] (local expert ids) -> [N, H] f32."""
-    (N, K), (_, two_i, H) = top_idx.shape, w13.shape
-    pairs = N * K
-    experts = top_idx.reshape(-1).contiguous()  # [P]
+    """x[N, H], w13[E + S, 2I, H], w2[E + S, H, I], top_w[N, K] f32, top_idx[N, K] (local expert ids), with the
+    last `shared` (S) experts picked by every token at weight 1 -> [N, H] f32."""
+    (N, K), (held, two_i, H) = top_idx.shape, w13.shape
+    picks = K + shared
+    pairs = N * picks
     h13 = torch.empty(pairs, two_i, dtype=x.dtype, device=x.device)  # [P, 2I]
+    top_idx, top_w = top_idx.contiguous(), top_w.contiguous()
     KERNELS.gate_up[(pairs, (two_i + BLOCK_N - 1) // BLOCK_N)](
-        x.contiguous(), w13.contiguous(), experts, h13, K, two_i, H, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        x.contiguous(), w13.contiguous(), top_idx, h13, K, picks, held - shared, two_i, H,
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     y = torch.empty(pairs, H, dtype=torch.float32, device=x.device)  # [P, H]
     KERNELS.down[(pairs, (H + BLOCK_N - 1) // BLOCK_N)](
-        h13, w2.contiguous(), experts, top_w.reshape(-1).contiguous(), y, H, two_i // 2,
+        h13, w2.contiguous(), top_idx, top_w, y, K, picks, held - shared, H, two_i // 2,
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
-    return y.view(N, K, H).sum(1)  # [N, H]
+    return y.view(N, picks, H).sum(1)  # [N, H]

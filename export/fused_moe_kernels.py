@@ -9,12 +9,21 @@ import triton.language as tl
 
 
 @triton.jit
-def gate_up(x_ptr, w_ptr, expert_ptr, out_ptr, picks_per_token, N, K,
+def _pick(pair, picks_ptr, routed, picks, first_shared):
+    """The (token, expert) of a pair: a token's first `routed` picks come from picks[T, routed], the
+    rest are the shared experts first_shared, first_shared + 1, ..."""
+    token, pick = pair // picks, pair % picks
+    is_routed = pick < routed
+    expert = tl.load(picks_ptr + token * routed + pick, mask=is_routed, other=0)
+    return token, tl.where(is_routed, expert, first_shared + pick - routed).to(tl.int64)
+
+
+@triton.jit
+def gate_up(x_ptr, w_ptr, picks_ptr, out_ptr, routed, picks, first_shared, N, K,
             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[pair, :N] = w[expert(pair)] @ x[pair // picks_per_token]: x[T, K], w[E, N, K], out[P, N]."""
+    """out[pair, :N] = w[expert(pair)] @ x[token(pair)]: x[T, K], w[E + S, N, K], out[P, N]."""
     pair, block = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(expert_ptr + pair).to(tl.int64)
-    token = pair // picks_per_token
+    token, expert = _pick(pair, picks_ptr, routed, picks, first_shared)
     rows = block * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -27,12 +36,15 @@ def gate_up(x_ptr, w_ptr, expert_ptr, out_ptr, picks_per_token, N, K,
 
 
 @triton.jit
-def down(h_ptr, w_ptr, expert_ptr, weight_ptr, out_ptr, N, K,
+def down(h_ptr, w_ptr, picks_ptr, weight_ptr, out_ptr, routed, picks, first_shared, N, K,
          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[pair, :N] = weight[pair] * (w[expert(pair)] @ (silu(gate) * up)) in float32, where
-    h[pair] = gate ‖ up: h[P, 2K] (the activation dtype), w[E, N, K], weight[P] f32, out[P, N] f32."""
+    """out[pair, :N] = weight(pair) * (w[expert(pair)] @ (silu(gate) * up)) in float32, where
+    h[pair] = gate ‖ up: h[P, 2K] (the activation dtype), w[E + S, N, K], weight[T, routed] f32 (1 for the
+    shared experts), out[P, N] f32."""
     pair, block = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(expert_ptr + pair).to(tl.int64)
+    token, expert = _pick(pair, picks_ptr, routed, picks, first_shared)
+    pick = pair % picks
+    weight = tl.load(weight_ptr + token * routed + pick, mask=pick < routed, other=1.0)
     rows = block * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -44,5 +56,5 @@ def down(h_ptr, w_ptr, expert_ptr, weight_ptr, out_ptr, N, K,
         w = tl.load(w_ptr + expert * N * K + rows[:, None] * K + cols[None, :],
                     mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0).to(tl.float32)
         acc += tl.sum(w * a[None, :], axis=1)
-    y = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * tl.load(weight_ptr + pair)
+    y = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * weight
     tl.store(out_ptr + pair * N + rows, y, mask=rows < N)

@@ -16,6 +16,12 @@ The routed experts run one of two ways (`MOE_KINDS`):
   read experts no token chose; the sum is the same. Where the picks are few (a decode step: no more than
   the experts, or few bytes of them) and Triton runs (CUDA), the routed part is instead two kernels that
   read each pick's expert in place (export/fused_moe.py): no sort, gather or offsets.
+
+Grouping also folds the shared experts into the stack where their intermediate size is a multiple of the
+routed experts' (always, unless tensor parallelism split it otherwise): SwiGLU splits over its intermediate
+columns, so a shared MLP of S·I columns is S experts of I that every token picks with weight 1, appended
+after the routed ones. They run in the same grouped GEMMs or kernels as the routed picks and need no GEMMs,
+activation or add of their own; the sum differs from the separate MLP's only in rounding.
 """
 
 from __future__ import annotations
@@ -92,8 +98,9 @@ class MoE(nn.Module):
             if config.n_shared_experts
             else None
         )
-        self.register_parameter("w13", None)  # [E, 2I, H] once grouped
-        self.register_parameter("w2", None)  # [E, H, I] once grouped
+        self.register_parameter("w13", None)  # [E + S, 2I, H] once grouped
+        self.register_parameter("w2", None)  # [E + S, H, I] once grouped
+        self.shared_in_stack = 0  # S: shared experts folded into w13 / w2's last rows
         self.first_expert = 0  # of the experts held here (expert parallelism: export/parallel.py)
         self.fused_decode = True  # grouped: few picks go through export/fused_moe.py's kernels where they run
 
@@ -102,7 +109,8 @@ class MoE(nn.Module):
         return self.w13 is not None
 
     def group_experts(self) -> None:
-        """Stack the experts' weights into w13 / w2 and drop the per-expert modules (idempotent)."""
+        """Stack the experts' weights into w13 / w2 and drop the per-expert modules, then fold the shared
+        experts in where they split into routed-sized experts (idempotent)."""
         if self.grouped:
             return
         with torch.no_grad():
@@ -111,7 +119,43 @@ class MoE(nn.Module):
         self.w13 = nn.Parameter(w13, requires_grad=False)
         self.w2 = nn.Parameter(w2, requires_grad=False)
         del self.experts
+        self.fold_shared_experts()
         fused_moe.load_kernels()
+
+    @property
+    def routed_in_stack(self) -> int:
+        """The routed experts held in w13 / w2 (all, or this rank's under expert parallelism)."""
+        return self.w13.shape[0] - self.shared_in_stack
+
+    def fold_shared_experts(self) -> None:
+        """Append the shared MLP [S·I] to the grouped stack as S experts of I, where I divides its size."""
+        shared, inter = self.shared_experts, self.w2.shape[-1]
+        if shared is None or shared.down_proj.in_features % inter:
+            return
+        S, H = shared.down_proj.in_features // inter, self.w2.shape[1]
+        with torch.no_grad():
+            gate = shared.gate_proj.weight.view(S, inter, H)  # [S, I, H]
+            up = shared.up_proj.weight.view(S, inter, H)  # [S, I, H]
+            down = shared.down_proj.weight.view(H, S, inter).transpose(0, 1)  # [S, H, I]
+            self.w13 = nn.Parameter(torch.cat([self.w13, torch.cat([gate, up], dim=1)]), requires_grad=False)
+            self.w2 = nn.Parameter(torch.cat([self.w2, down]), requires_grad=False)
+        self.shared_in_stack, self.shared_experts = S, None
+
+    def unfold_shared_experts(self) -> None:
+        """The shared MLP back out of the grouped stack (`fold_shared_experts` undone)."""
+        S = self.shared_in_stack
+        if not S:
+            return
+        E, (_, H, inter) = self.routed_in_stack, self.w2.shape
+        shared = MLP(H, S * inter).to(self.w2.dtype).to(self.w2.device).requires_grad_(False)
+        with torch.no_grad():
+            gate, up = self.w13[E:].chunk(2, dim=1)  # [S, I, H] each
+            shared.gate_proj.weight.copy_(gate.reshape(S * inter, H))
+            shared.up_proj.weight.copy_(up.reshape(S * inter, H))
+            shared.down_proj.weight.copy_(self.w2[E:].transpose(0, 1).reshape(H, S * inter))
+        self.w13 = nn.Parameter(self.w13[:E].clone(), requires_grad=False)
+        self.w2 = nn.Parameter(self.w2[:E].clone(), requires_grad=False)
+        self.shared_experts, self.shared_in_stack = shared, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -129,24 +173,28 @@ class MoE(nn.Module):
 
     def _grouped(self, flat: torch.Tensor) -> torch.Tensor:
         top_w, top_idx = self.gate.route(flat)  # [N, K] each
-        (N, K), E = top_idx.shape, self.w13.shape[0]
+        (N, K), E, S = top_idx.shape, self.routed_in_stack, self.shared_in_stack
         if E < self.gate.num_experts:  # expert parallel: picks of other ranks' experts weigh zero here
             local = top_idx - self.first_expert  # [N, K]
             top_w, top_idx = top_w * ((local >= 0) & (local < E)), local.clamp(0, E - 1)  # [N, K] each
-        if self.fused_decode and fused_moe.runs_on(flat.device) and fused_moe.takes(N * K, self.w13, self.w2):
-            return fused_moe.fused_experts(flat, self.w13, self.w2, top_w, top_idx)  # [N, H]
-        experts = top_idx.reshape(-1)  # [N*K]
-        order = experts.argsort(stable=True)  # [N*K] (token, pick) pairs grouped by expert
-        xs = flat.index_select(0, order // K)  # [N*K, H]
+        if self.fused_decode and fused_moe.runs_on(flat.device) and fused_moe.takes(N * (K + S), self.w13, self.w2):
+            return fused_moe.fused_experts(flat, self.w13, self.w2, top_w, top_idx, S)  # [N, H]
+        if S:  # every token also picks the shared experts, weight 1
+            shared = torch.arange(E, E + S, device=flat.device).expand(N, S)  # [N, S]
+            top_idx, top_w = torch.cat([top_idx, shared], 1), torch.cat([top_w, top_w.new_ones(N, S)], 1)  # [N, K+S]
+        picks = K + S
+        experts = top_idx.reshape(-1)  # [N*picks]
+        order = experts.argsort(stable=True)  # [N*picks] (token, pick) pairs grouped by expert
+        xs = flat.index_select(0, order // picks)  # [N*picks, H]
         # bincount would size its output from experts.max() on the host: a sync that breaks graph capture.
-        counts = torch.zeros(E, dtype=torch.int32, device=flat.device).scatter_add_(
-            0, experts, torch.ones_like(experts, dtype=torch.int32))  # [E] pairs per expert
-        offs = counts.cumsum(0, dtype=torch.int32)  # [E] end of each expert's rows
-        gate, up = F.grouped_mm(xs, self.w13.transpose(-2, -1), offs=offs).chunk(2, dim=-1)  # [N*K, I] each
-        ys = F.grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=offs)  # [N*K, H]
-        weighted = ys.float() * top_w.reshape(-1).index_select(0, order).unsqueeze(-1)  # [N*K, H]
+        counts = torch.zeros(E + S, dtype=torch.int32, device=flat.device).scatter_add_(
+            0, experts, torch.ones_like(experts, dtype=torch.int32))  # [E+S] pairs per expert
+        offs = counts.cumsum(0, dtype=torch.int32)  # [E+S] end of each expert's rows
+        gate, up = F.grouped_mm(xs, self.w13.transpose(-2, -1), offs=offs).chunk(2, dim=-1)  # [N*picks, I] each
+        ys = F.grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=offs)  # [N*picks, H]
+        weighted = ys.float() * top_w.reshape(-1).index_select(0, order).unsqueeze(-1)  # [N*picks, H]
         # Back to (token, pick) order and a sum over the picks: deterministic, unlike atomic index_add.
-        return torch.empty_like(weighted).index_copy_(0, order, weighted).view(N, K, -1).sum(1)  # [N, H]
+        return torch.empty_like(weighted).index_copy_(0, order, weighted).view(N, picks, -1).sum(1)  # [N, H]
 
 
 def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:

@@ -132,6 +132,7 @@ def _shard_moe(moe: MoE, rank: int, world_size: int) -> None:
     first = rank * per_rank
     moe.first_expert = first
     if moe.grouped:
+        moe.unfold_shared_experts()  # the shared MLP splits by columns, not by whole experts
         moe.w13 = nn.Parameter(moe.w13[first : first + per_rank].clone(), requires_grad=False)  # [E/W, 2I, H]
         moe.w2 = nn.Parameter(moe.w2[first : first + per_rank].clone(), requires_grad=False)  # [E/W, H, I]
     else:
@@ -139,6 +140,8 @@ def _shard_moe(moe: MoE, rank: int, world_size: int) -> None:
     moe.gate.register_forward_hook(_Columns(first, first + per_rank))
     if moe.shared_experts is not None:
         _shard_mlp(moe.shared_experts, rank, world_size)
+    if moe.grouped:
+        moe.fold_shared_experts()  # where this rank's columns are whole experts
 
 
 def _shard_linear(linear: nn.Linear, dim: int, rank: int, world_size: int) -> None:

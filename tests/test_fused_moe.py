@@ -17,15 +17,15 @@ pytest.importorskip("triton")
 
 @pytest.fixture
 def kernels(monkeypatch):
-    """The kernels (made under the interpreter: tests/conftest.py) taken on the CPU; counts the MoE calls
-    that take them."""
+    """The kernels (made under the interpreter: tests/conftest.py) taken on the CPU; records each call that
+    takes them as (tokens, routed picks, shared experts)."""
     from triton_mtp.export import fused_moe_kernels
 
     monkeypatch.setattr(fused_moe, "KERNELS", fused_moe_kernels)
     monkeypatch.setattr(fused_moe, "runs_on", lambda device: True)
     calls = []
     fused = fused_moe.fused_experts
-    monkeypatch.setattr(fused_moe, "fused_experts", lambda *args: calls.append(args[-1].shape) or fused(*args))
+    monkeypatch.setattr(fused_moe, "fused_experts", lambda *args: calls.append((*args[4].shape, *args[5:])) or fused(*args))
     return calls
 
 
@@ -47,51 +47,53 @@ def test_the_kernels_compute_the_grouped_moe(kernels, dtype, tolerance, shape):
     moe, plain = grouped_pair(dtype)
     x = torch.randn(*shape, 64, dtype=dtype)  # [B, T, H]
     fused, grouped = moe(x), plain(x)  # [B, T, H] each
-    assert kernels == [(shape[0] * shape[1], 2)]
+    assert kernels == [(shape[0] * shape[1], 2, 1)]  # the shared expert folded in
     assert fused.shape == grouped.shape and fused.dtype == grouped.dtype
     assert (fused.float() - grouped.float()).abs().max() <= tolerance * grouped.float().abs().max()
 
 
-@pytest.mark.parametrize("H, I, block_n, block_k", [(200, 72, 16, 128), (33, 7, 32, 16), (300, 140, 16, 16)])
-def test_the_kernels_compute_each_pair_over_several_blocks(kernels, monkeypatch, H, I, block_n, block_k):
-    """Sizes that are not multiples of the blocks, and reductions over several of them, against float32 einsums."""
+@pytest.mark.parametrize("H, I, block_n, block_k, S", [(200, 72, 16, 128, 0), (33, 7, 32, 16, 2), (300, 140, 16, 16, 1)])
+def test_the_kernels_compute_each_pair_over_several_blocks(kernels, monkeypatch, H, I, block_n, block_k, S):
+    """Sizes that are not multiples of the blocks, reductions over several of them, and S shared experts after
+    the routed ones, against float32 einsums."""
     monkeypatch.setattr(fused_moe, "BLOCK_N", block_n)
     monkeypatch.setattr(fused_moe, "BLOCK_K", block_k)
     torch.manual_seed(0)
     E, N, K = 5, 3, 2
-    x, w13, w2 = torch.randn(N, H), torch.randn(E, 2 * I, H), torch.randn(E, H, I)  # [N, H], [E, 2I, H], [E, H, I]
-    top_w, top_idx = torch.rand(N, K), torch.randint(0, E, (N, K))  # [N, K] each
-    h13 = torch.einsum("nkoh,nh->nko", w13[top_idx], x)  # [N, K, 2I]
-    gate, up = h13.chunk(2, dim=-1)  # [N, K, I] each
-    ys = torch.einsum("nkhi,nki->nkh", w2[top_idx], torch.nn.functional.silu(gate) * up)  # [N, K, H]
-    expected = (ys * top_w[..., None]).sum(1)  # [N, H]
-    out = fused_moe.fused_experts(x, w13, w2, top_w, top_idx)  # [N, H]
+    w13, w2 = torch.randn(E + S, 2 * I, H), torch.randn(E + S, H, I)  # [E+S, 2I, H], [E+S, H, I]
+    x, top_w, top_idx = torch.randn(N, H), torch.rand(N, K), torch.randint(0, E, (N, K))  # [N, H], [N, K], [N, K]
+    picks = torch.cat([top_idx, torch.arange(E, E + S).expand(N, S)], 1)  # [N, K+S]
+    h13 = torch.einsum("nkoh,nh->nko", w13[picks], x)  # [N, K+S, 2I]
+    gate, up = h13.chunk(2, dim=-1)  # [N, K+S, I] each
+    ys = torch.einsum("nkhi,nki->nkh", w2[picks], torch.nn.functional.silu(gate) * up)  # [N, K+S, H]
+    expected = (ys * torch.cat([top_w, torch.ones(N, S)], 1)[..., None]).sum(1)  # [N, H]
+    out = fused_moe.fused_experts(x, w13, w2, top_w, top_idx, S)  # [N, H]
     assert (out - expected).abs().max() <= 1e-5 * expected.abs().max()  # summation order alone
 
 
 def test_more_picks_than_experts_take_the_grouped_gemms_unless_their_bytes_are_few(kernels, monkeypatch):
     moe, plain = grouped_pair(torch.float32)
-    x = torch.randn(5, 64)  # [N, H]: 10 picks of 8 experts of 24 KiB each
-    monkeypatch.setattr(fused_moe, "REREAD_BYTES", 10 * 24 * 1024 - 1)
+    x = torch.randn(4, 64)  # [N, H]: 4 × (2 routed + 1 shared) = 12 picks of 9 experts of 24 KiB each
+    monkeypatch.setattr(fused_moe, "REREAD_BYTES", 12 * 24 * 1024 - 1)
     assert torch.equal(moe(x), plain(x)) and kernels == []
-    monkeypatch.setattr(fused_moe, "REREAD_BYTES", 10 * 24 * 1024)
-    assert torch.allclose(moe(x), plain(x), atol=1e-5, rtol=1e-5) and kernels == [(5, 2)]
+    monkeypatch.setattr(fused_moe, "REREAD_BYTES", 12 * 24 * 1024)
+    assert torch.allclose(moe(x), plain(x), atol=1e-5, rtol=1e-5) and kernels == [(4, 2, 1)]
 
 
 def test_the_kernels_read_only_the_picked_experts(kernels):
     moe, _ = grouped_pair(torch.float32)
-    assert_unpicked_experts_unread(moe, torch.randn(3, 64))  # 6 picks of 8 experts
+    assert_unpicked_experts_unread(moe, torch.randn(3, 64))  # 6 routed picks of 8 experts, 3 of the shared one
     assert len(kernels) == 2  # both calls took the kernels
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_expert_parallel_shards_sum_to_the_whole(kernels, world_size):
+@pytest.mark.parametrize("world_size, shared_experts", [(2, 1), (4, 1), (2, 2)])  # (2, 2): one folded per rank
+def test_expert_parallel_shards_sum_to_the_whole(kernels, world_size, shared_experts):
     needs_grouped_mm(torch.float32)
-    moe = random_moe(torch.float32)
+    moe = random_moe(torch.float32, n_shared_experts=shared_experts)
     x = torch.randn(1, 1, 64)  # [B, T, H]: 2 picks, within every shard's experts
     whole = moe(x)  # [B, T, H] (dense)
     assert torch.allclose(sharded_sum(moe, x, world_size), whole, atol=1e-5, rtol=1e-5)
-    assert len(kernels) == world_size  # every shard took the kernels
+    assert [call[-1] for call in kernels] == [shared_experts // world_size] * world_size  # every shard took them
 
 
 def test_grouping_loads_the_kernels_which_run_only_on_cuda(monkeypatch):

@@ -73,7 +73,37 @@ def test_grouping_stacks_the_experts_once():
     assert moe.w13 is w13 and not hasattr(moe, "experts")
     assert torch.equal(moe.w13[0, : gate_0.shape[0]], gate_0) and torch.equal(moe.w2[7], down_7)
     names = {name for name, _ in moe.named_parameters()}
-    assert {"w13", "w2"} <= names and not any(name.startswith("experts.") for name in names)
+    assert {"w13", "w2"} <= names and not any(name.startswith(("experts.", "shared_experts.")) for name in names)
+
+
+@pytest.mark.parametrize("shared_experts", [1, 3])
+def test_grouping_folds_the_shared_experts_into_the_stack(shared_experts):
+    moe = random_moe(torch.float32, n_shared_experts=shared_experts)
+    shared = copy.deepcopy(moe.shared_experts)
+    x = torch.randn(5, 64)  # [N, H]
+    routed = moe(x) - shared(x)  # [N, H]
+    moe.group_experts()
+    assert moe.shared_experts is None and (moe.shared_in_stack, moe.routed_in_stack) == (shared_experts, 8)
+    assert moe.w13.shape == (8 + shared_experts, 64, 64) and moe.w2.shape == (8 + shared_experts, 64, 32)
+    # Shared expert s is the MLP's intermediate columns [32 s, 32 s + 32).
+    s = shared_experts - 1
+    assert torch.equal(moe.w13[8 + s, 32:], shared.up_proj.weight[32 * s :])
+    assert torch.equal(moe.w2[8 + s], shared.down_proj.weight[:, 32 * s :])
+    moe.unfold_shared_experts()
+    assert moe.w13.shape[0] == 8 and moe.shared_in_stack == 0
+    for name, param in shared.named_parameters():
+        assert torch.equal(moe.shared_experts.get_parameter(name), param)
+    if grouped_mm_works(torch.device("cpu"), torch.float32):
+        moe.fold_shared_experts()
+        assert torch.allclose(moe(x) - shared(x), routed, atol=1e-5, rtol=1e-5)
+
+
+def test_a_shared_mlp_split_off_whole_experts_stays_a_module():
+    """Tensor parallelism over 2 ranks leaves one shared expert's 16 of 32 columns on each: no whole expert."""
+    moe = random_moe(torch.float32)
+    _shard_moe(moe, 0, 2)
+    moe.group_experts()
+    assert moe.shared_experts.down_proj.in_features == 16 and moe.shared_in_stack == 0 and moe.w13.shape[0] == 4
 
 
 def assert_unpicked_experts_unread(moe: MoE, x: torch.Tensor) -> None:
@@ -81,9 +111,10 @@ def assert_unpicked_experts_unread(moe: MoE, x: torch.Tensor) -> None:
     before = moe(x)  # [N, H]
     picked = moe.gate(x).gt(0).any(dim=0)  # [E]
     assert (~picked).sum() >= 2
+    routed = picked.numel()
     with torch.no_grad():
-        moe.w13[~picked] = float("nan")
-        moe.w2[~picked] = float("nan")
+        moe.w13[:routed][~picked] = float("nan")
+        moe.w2[:routed][~picked] = float("nan")
     assert torch.equal(moe(x), before)
 
 
@@ -94,7 +125,7 @@ def sharded_sum(moe: MoE, x: torch.Tensor, world_size: int) -> torch.Tensor:
         shard = copy.deepcopy(moe)
         _shard_moe(shard, rank, world_size)
         shard.group_experts()
-        assert shard.w13.shape[0] == moe.gate.num_experts // world_size
+        assert shard.routed_in_stack == moe.gate.num_experts // world_size
         parts.append(shard(x))  # partial sum: picks of other ranks' experts weigh zero
     return torch.stack(parts).sum(0)
 
@@ -108,9 +139,10 @@ def test_experts_no_token_picked_are_never_read():
 
 @pytest.mark.parametrize("world_size", [2, 8])
 @pytest.mark.parametrize("grouped_first", [True, False])  # load_sharded shards the dense MoE, then groups
-def test_expert_parallel_shards_of_the_grouped_moe_sum_to_the_whole(world_size, grouped_first):
+@pytest.mark.parametrize("shared_experts", [1, 2])  # 2 over 2 ranks: one whole shared expert each, folded
+def test_expert_parallel_shards_of_the_grouped_moe_sum_to_the_whole(world_size, grouped_first, shared_experts):
     needs_grouped_mm(torch.float32)
-    moe = random_moe(torch.float32)
+    moe = random_moe(torch.float32, n_shared_experts=shared_experts)
     x = torch.randn(2, 4, 64)  # [B, T, H]
     whole = moe(x)  # [B, T, H]
     if grouped_first:
