@@ -28,8 +28,13 @@ from __future__ import annotations
 
 import importlib.util
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from triton_mtp.export.moe import Gate
 
 # Rows of the weight matrix and columns of the reduction one program handles (bench/fused_moe.py).
 BLOCK_N = 16
@@ -82,3 +87,22 @@ def fused_experts(
         h13, w2.contiguous(), top_idx, top_w, y, K, picks, held - shared, H, two_i // 2,
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     return y.view(N, picks, H).sum(1)  # [N, H]
+
+
+def route(gate: Gate, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gate.route(x)` with everything after the gate's linear in one kernel: x[N, H] -> (routing weights
+    [N, K] float32, expert ids [N, K])."""
+    logits = F.linear(x.float(), gate.weight.float())  # [N, E]
+    N, K, G = x.shape[0], gate.top_k, gate.n_group
+    top_w = torch.empty(N, K, dtype=torch.float32, device=x.device)  # [N, K]
+    top_idx = torch.empty(N, K, dtype=torch.int64, device=x.device)  # [N, K]
+    size = gate.num_experts // G
+    KERNELS.route[(N,)](
+        logits, gate.e_score_correction_bias, top_w, top_idx, gate.scaling, GROUP_SIZE=size, N_GROUP=G,
+        TOPK_GROUP=gate.topk_group, TOP_K=K, NORM=gate.norm_topk_prob, BLOCK_G=_pow2(G), BLOCK_S=_pow2(size),
+        BLOCK_K=_pow2(K))
+    return top_w, top_idx
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()

@@ -58,3 +58,47 @@ def down(h_ptr, w_ptr, picks_ptr, weight_ptr, out_ptr, routed, picks, first_shar
         acc += tl.sum(w * a[None, :], axis=1)
     y = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * weight
     tl.store(out_ptr + pair * N + rows, y, mask=rows < N)
+
+
+@triton.jit
+def route(logits_ptr, bias_ptr, weight_ptr, expert_ptr, scaling,
+          GROUP_SIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
+          NORM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`Gate.route` after the gate's linear, one token a program: logits[T, E] f32, bias[E] ->
+    weight[T, TOP_K] f32, expert[T, TOP_K] int64, picked as torch.topk picks (largest first, ties to the
+    lower expert). The experts lie as [N_GROUP, GROUP_SIZE]; only the TOPK_GROUP groups of the largest
+    top-2 sums take part (noaux_tc)."""
+    token = tl.program_id(0)
+    group = tl.arange(0, BLOCK_G)  # [BLOCK_G]
+    col = tl.arange(0, BLOCK_S)[None, :]  # [1, BLOCK_S]
+    valid = (group[:, None] < N_GROUP) & (col < GROUP_SIZE)  # [BLOCK_G, BLOCK_S]
+    expert = group[:, None] * GROUP_SIZE + col  # [BLOCK_G, BLOCK_S] (padding aliases the next group's)
+    logits = tl.load(logits_ptr + token * N_GROUP * GROUP_SIZE + expert, mask=valid, other=0.0)
+    scores = tl.where(valid, tl.sigmoid(logits), 0.0)  # [BLOCK_G, BLOCK_S]
+    bias = tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
+    choice = tl.where(valid, scores + bias, float("-inf"))  # [BLOCK_G, BLOCK_S]
+    if TOPK_GROUP < N_GROUP:
+        first = tl.max(choice, axis=1)  # [BLOCK_G]
+        first_at = tl.min(tl.where(choice == first[:, None], col, BLOCK_S), axis=1)  # [BLOCK_G]
+        second = tl.max(tl.where(col == first_at[:, None], float("-inf"), choice), axis=1)  # [BLOCK_G]
+        group_score = tl.where(group < N_GROUP, first + second, float("-inf"))  # [BLOCK_G]
+        keep = group < 0  # [BLOCK_G] all False
+        for _ in tl.static_range(TOPK_GROUP):
+            best = tl.min(tl.where(group_score == tl.max(group_score, axis=0), group, BLOCK_G), axis=0)
+            keep = keep | (group == best)
+            group_score = tl.where(group == best, float("-inf"), group_score)
+        choice = tl.where(keep[:, None], choice, float("-inf"))
+    k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    top_w = tl.zeros([BLOCK_K], dtype=tl.float32)
+    top_idx = tl.zeros([BLOCK_K], dtype=tl.int64)
+    for pick in tl.static_range(TOP_K):
+        largest = tl.max(tl.max(choice, axis=1), axis=0)
+        at = tl.min(tl.min(tl.where(choice == largest, expert, N_GROUP * GROUP_SIZE), axis=1), axis=0)
+        w = tl.sum(tl.sum(tl.where(expert == at, scores, 0.0), axis=1), axis=0)
+        top_w = tl.where(k == pick, w, top_w)
+        top_idx = tl.where(k == pick, at, top_idx)
+        choice = tl.where(expert == at, float("-inf"), choice)
+    if NORM:
+        top_w = top_w / (tl.sum(top_w, axis=0) + 1e-20)
+    tl.store(weight_ptr + token * TOP_K + k, top_w * scaling, mask=k < TOP_K)
+    tl.store(expert_ptr + token * TOP_K + k, top_idx, mask=k < TOP_K)

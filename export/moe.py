@@ -172,12 +172,13 @@ class MoE(nn.Module):
         return routed
 
     def _grouped(self, flat: torch.Tensor) -> torch.Tensor:
-        top_w, top_idx = self.gate.route(flat)  # [N, K] each
+        kernels = self.fused_decode and fused_moe.runs_on(flat.device)
+        top_w, top_idx = fused_moe.route(self.gate, flat) if kernels else self.gate.route(flat)  # [N, K] each
         (N, K), E, S = top_idx.shape, self.routed_in_stack, self.shared_in_stack
         if E < self.gate.num_experts:  # expert parallel: picks of other ranks' experts weigh zero here
             local = top_idx - self.first_expert  # [N, K]
             top_w, top_idx = top_w * ((local >= 0) & (local < E)), local.clamp(0, E - 1)  # [N, K] each
-        if self.fused_decode and fused_moe.runs_on(flat.device) and fused_moe.takes(N * (K + S), self.w13, self.w2):
+        if kernels and fused_moe.takes(N * (K + S), self.w13, self.w2):
             return fused_moe.fused_experts(flat, self.w13, self.w2, top_w, top_idx, S)  # [N, H]
         if S:  # every token also picks the shared experts, weight 1
             shared = torch.arange(E, E + S, device=flat.device).expand(N, S)  # [N, S]

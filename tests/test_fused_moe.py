@@ -71,6 +71,21 @@ def test_the_kernels_compute_each_pair_over_several_blocks(kernels, monkeypatch,
     assert (out - expected).abs().max() <= 1e-5 * expected.abs().max()  # summation order alone
 
 
+@pytest.mark.parametrize("overrides", [
+    {},  # 8 experts in 2 groups, top-2 of the best group
+    {"n_group": 1, "topk_group": 1},  # no group limit (DeepSeek-V2-Lite)
+    {"n_routed_experts": 12, "n_group": 2, "num_experts_per_tok": 3},  # groups of 6: padded blocks
+    {"n_group": 4, "topk_group": 2, "norm_topk_prob": False},
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_routing_kernel_picks_the_gates_experts(kernels, overrides, dtype):
+    moe = random_moe(dtype, **overrides)
+    x = torch.randn(9, 64, dtype=dtype)  # [N, H]
+    (w, idx), (kernel_w, kernel_idx) = moe.gate.route(x), fused_moe.route(moe.gate, x)  # [N, K] each
+    assert torch.equal(kernel_idx, idx)  # the same experts in the same order
+    assert kernel_w.dtype == torch.float32 and torch.allclose(kernel_w, w, rtol=1e-6, atol=1e-6)
+
+
 def test_more_picks_than_experts_take_the_grouped_gemms_unless_their_bytes_are_few(kernels, monkeypatch):
     moe, plain = grouped_pair(torch.float32)
     x = torch.randn(4, 64)  # [N, H]: 4 × (2 routed + 1 shared) = 12 picks of 9 experts of 24 KiB each
