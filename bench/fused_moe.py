@@ -68,8 +68,8 @@ def run(args: argparse.Namespace) -> dict:
                        "grouped_error_vs_fp32": relative_error(grouped_out, fp32_out),
                        "grouped_ms": step_time(wrap_step(grouped, "cudagraph", (x,)), (x,), device, args.repeats) * 1e3,
                        "apart_ms": step_time(wrap_step(apart, "cudagraph", (x,)), (x,), device, args.repeats) * 1e3}
-            picks = shape["num_experts_per_tok"] + moe.shared_in_stack
-            row["kernels_taken"] = fused_moe.takes(tokens * picks, moe.w13, moe.w2)
+            row["kernels_taken"] = tokens <= fused_moe.max_tokens(shape["num_experts_per_tok"] + moe.shared_in_stack,
+                                                                  moe.w13, moe.w2)
             try:
                 for block_n, block_k in BLOCKS:
                     fused_moe.BLOCK_N, fused_moe.BLOCK_K = block_n, block_k

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from triton_mtp.export.formats.eager import COMPILE_OPTIONS
+from triton_mtp.export.formats.eager import COMPILE_OPTIONS, raise_recompile_limit
 from triton_mtp.serving.graphs import CapturedStep
 
 MODES = ("reduce-overhead", "cudagraph", "eager")
@@ -32,9 +32,10 @@ def place_rope(module: torch.nn.Module, device: torch.device) -> None:
 
 class CompiledStep:
     """`torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False)` with eager's rounding
-    (the served steps' COMPILE_OPTIONS), one call per loop step."""
+    (the served steps' COMPILE_OPTIONS) and their recompile limit, one call per loop step."""
 
     def __init__(self, step: Step) -> None:
+        raise_recompile_limit()  # a bench compiles one forward for many shapes and layers
         options = {**torch._inductor.list_mode_options("reduce-overhead"), **COMPILE_OPTIONS}
         self.step = torch.compile(step, fullgraph=True, dynamic=False, options=options)
 

@@ -178,7 +178,7 @@ class MoE(nn.Module):
         if E < self.gate.num_experts:  # expert parallel: picks of other ranks' experts weigh zero here
             local = top_idx - self.first_expert  # [N, K]
             top_w, top_idx = top_w * ((local >= 0) & (local < E)), local.clamp(0, E - 1)  # [N, K] each
-        if kernels and fused_moe.takes(N * (K + S), self.w13, self.w2):
+        if kernels and N <= fused_moe.max_tokens(K + S, self.w13, self.w2):
             return fused_moe.fused_experts(flat, self.w13, self.w2, top_w, top_idx, S)  # [N, H]
         if S:  # every token also picks the shared experts, weight 1
             shared = torch.arange(E, E + S, device=flat.device).expand(N, S)  # [N, S]

@@ -117,3 +117,32 @@ def test_grouping_loads_the_kernels_which_run_only_on_cuda(monkeypatch):
     moe.group_experts()
     assert fused_moe.KERNELS is not None
     assert not fused_moe.runs_on(torch.device("cpu")) and fused_moe.runs_on(torch.device("cuda"))
+
+
+def test_a_compiled_moe_guards_once_on_its_tokens(monkeypatch):
+    """Under torch.compile(dynamic=True), as served, the dispatch splits a size class (batch and tokens of 1
+    specialize) once, where its tokens pass `max_tokens`: one guard, not one per rule. The
+    kernel calls are stubbed with torch ops of their shape: the interpreter does not trace under dynamo, and
+    the guards come from the dispatch alone."""
+    needs_grouped_mm(torch.bfloat16)
+    moe = random_moe(torch.bfloat16)
+    moe.group_experts()
+    monkeypatch.setattr(fused_moe, "runs_on", lambda device: True)
+    monkeypatch.setattr(fused_moe, "route", lambda gate, x: gate.route(x))
+    monkeypatch.setattr(fused_moe, "fused_experts",
+                        lambda x, w13, w2, top_w, top_idx, shared: x.float() * top_w.sum(-1, keepdim=True))
+    monkeypatch.setattr(fused_moe, "REREAD_BYTES", 3 * 40 * 12 * 1024)  # 3 picks of 12 KiB bf16 experts: 40 tokens
+    assert fused_moe.max_tokens(3, moe.w13, moe.w2) == 40
+    graphs = []
+    torch._dynamo.reset()
+    compiled = torch.compile(moe, dynamic=True, backend=lambda gm, inputs: graphs.append(gm) or gm.forward)
+    try:
+        with torch.no_grad():
+            for B in (1, 2, 4, 8, 16, 32, 64):
+                for T in (1, 2, 5):
+                    compiled(torch.randn(B, T, 64, dtype=torch.bfloat16))  # [B, T, H]
+    finally:
+        torch._dynamo.reset()
+    # (1, 1), (1, >1), (>1, 1), (>1, >1), then (>1, 1) and (>1, >1) past 40 tokens; the two rules as two
+    # comparisons made 8 (the pairs against the experts split them again).
+    assert len(graphs) == 6

@@ -66,12 +66,17 @@ COMPILE_OPTIONS = {"emulate_precision_casts": True}
 RECOMPILE_LIMIT = 64
 
 
-def compile_step(step: nn.Module) -> nn.Module:
-    """`torch.compile(step, dynamic=True)` with eager's rounding (COMPILE_OPTIONS), as the steps are served;
-    raises dynamo's recompile limit to RECOMPILE_LIMIT for the process."""
+def raise_recompile_limit() -> None:
+    """Dynamo's recompile limit at least RECOMPILE_LIMIT, for the process."""
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # its name before 2.7
     setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
+
+
+def compile_step(step: nn.Module) -> nn.Module:
+    """`torch.compile(step, dynamic=True)` with eager's rounding (COMPILE_OPTIONS), as the steps are served;
+    raises dynamo's recompile limit (`raise_recompile_limit`)."""
+    raise_recompile_limit()
     return torch.compile(step, dynamic=True, options=COMPILE_OPTIONS)
 
 
