@@ -126,7 +126,8 @@ def run(args: argparse.Namespace) -> dict:
               "params": sum(p.numel() for p in target.parameters()),
               "grouped_mm": grouped_mm_works(device, dtype), "moe": {}}
     selected = bytes_touched(config, target, True)
-    variants = {name: bytes_touched(config, target, False) if name == "dense" else selected for name in args.variants}
+    dense = bytes_touched(config, target, False)
+    variants = {name: dense if name == "dense" else selected for name in args.variants}
     if not result["grouped_mm"] and set(GROUPED) & variants.keys():
         print(f"realistic: grouped_mm does not run for {args.dtype} on {device}; leaving out the grouped MoE", flush=True)
         variants = {name: touched for name, touched in variants.items() if name == "dense"}

@@ -73,7 +73,7 @@ def max_tokens(picks: int, w13: torch.Tensor, w2: torch.Tensor) -> int:
 
 
 def fused_experts(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_w: torch.Tensor, top_idx: torch.Tensor, shared: int = 0
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_w: torch.Tensor, top_idx: torch.Tensor, shared: int
 ) -> torch.Tensor:
     """x[N, H], w13[E + S, 2I, H], w2[E + S, H, I], top_w[N, K] f32, top_idx[N, K] (local expert ids), with the
     last `shared` (S) experts picked by every token at weight 1 -> [N, H] f32."""
@@ -102,10 +102,6 @@ def route(gate: Gate, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     size = gate.num_experts // G
     KERNELS.route[(N,)](
         logits, gate.e_score_correction_bias, top_w, top_idx, gate.scaling, GROUP_SIZE=size, N_GROUP=G,
-        TOPK_GROUP=gate.topk_group, TOP_K=K, NORM=gate.norm_topk_prob, BLOCK_G=_pow2(G), BLOCK_S=_pow2(size),
-        BLOCK_K=_pow2(K))
+        TOPK_GROUP=gate.topk_group, TOP_K=K, NORM=gate.norm_topk_prob, BLOCK_G=KERNELS.next_power_of_2(G),
+        BLOCK_S=KERNELS.next_power_of_2(size), BLOCK_TOPK=KERNELS.next_power_of_2(K))
     return top_w, top_idx
-
-
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()

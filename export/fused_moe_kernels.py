@@ -7,6 +7,8 @@ BLOCK_K columns at a time, accumulated in float32. The grid is (pairs, ceil(N / 
 import triton
 import triton.language as tl
 
+next_power_of_2 = triton.next_power_of_2  # the blocks of `route`
+
 
 @triton.jit
 def _pick(pair, picks_ptr, routed, picks, first_shared):
@@ -63,11 +65,12 @@ def down(h_ptr, w_ptr, picks_ptr, weight_ptr, out_ptr, routed, picks, first_shar
 @triton.jit
 def route(logits_ptr, bias_ptr, weight_ptr, expert_ptr, scaling,
           GROUP_SIZE: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
-          NORM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
+          NORM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_TOPK: tl.constexpr):
     """`Gate.route` after the gate's linear, one token a program: logits[T, E] f32, bias[E] ->
-    weight[T, TOP_K] f32, expert[T, TOP_K] int64, picked as torch.topk picks (largest first, ties to the
-    lower expert). The experts lie as [N_GROUP, GROUP_SIZE]; only the TOPK_GROUP groups of the largest
-    top-2 sums take part (noaux_tc)."""
+    weight[T, TOP_K] f32, expert[T, TOP_K] int64, largest first as torch.topk returns them (equal choices go
+    to the lower expert, where torch.topk leaves their order open; a NaN row picks in-range experts). The
+    experts lie as [N_GROUP, GROUP_SIZE]; only the TOPK_GROUP groups of the largest top-2 sums take part
+    (noaux_tc)."""
     token = tl.program_id(0)
     group = tl.arange(0, BLOCK_G)  # [BLOCK_G]
     col = tl.arange(0, BLOCK_S)[None, :]  # [1, BLOCK_S]
@@ -88,12 +91,12 @@ def route(logits_ptr, bias_ptr, weight_ptr, expert_ptr, scaling,
             keep = keep | (group == best)
             group_score = tl.where(group == best, float("-inf"), group_score)
         choice = tl.where(keep[:, None], choice, float("-inf"))
-    k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
-    top_w = tl.zeros([BLOCK_K], dtype=tl.float32)
-    top_idx = tl.zeros([BLOCK_K], dtype=tl.int64)
+    k = tl.arange(0, BLOCK_TOPK)  # [BLOCK_TOPK]
+    top_w = tl.zeros([BLOCK_TOPK], dtype=tl.float32)
+    top_idx = tl.zeros([BLOCK_TOPK], dtype=tl.int64)
     for pick in tl.static_range(TOP_K):
         largest = tl.max(tl.max(choice, axis=1), axis=0)
-        at = tl.min(tl.min(tl.where(choice == largest, expert, N_GROUP * GROUP_SIZE), axis=1), axis=0)
+        at = tl.min(tl.min(tl.where(choice == largest, expert, N_GROUP * GROUP_SIZE - 1), axis=1), axis=0)
         w = tl.sum(tl.sum(tl.where(expert == at, scores, 0.0), axis=1), axis=0)
         top_w = tl.where(k == pick, w, top_w)
         top_idx = tl.where(k == pick, at, top_idx)

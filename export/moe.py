@@ -102,24 +102,30 @@ class MoE(nn.Module):
         self.register_parameter("w2", None)  # [E + S, H, I] once grouped
         self.shared_in_stack = 0  # S: shared experts folded into w13 / w2's last rows
         self.first_expert = 0  # of the experts held here (expert parallelism: export/parallel.py)
-        self.fused_decode = True  # grouped: few picks go through export/fused_moe.py's kernels where they run
+        # grouped, where export/fused_moe.py's kernels run: every call routes through its kernel, and calls
+        # of few tokens run their experts through its two others
+        self.fused_decode = True
 
     @property
     def grouped(self) -> bool:
         return self.w13 is not None
 
     def group_experts(self) -> None:
-        """Stack the experts' weights into w13 / w2 and drop the per-expert modules, then fold the shared
-        experts in where they split into routed-sized experts (idempotent)."""
+        """Stack the experts' weights into w13 / w2, with the shared experts last where they split into
+        routed-sized experts, and drop the per-expert modules (idempotent). One copy of the weights."""
         if self.grouped:
             return
+        shared = self._shared_as_experts(self.experts[0].down_proj.in_features)  # ([S, 2I, H], [S, H, I]) or None
         with torch.no_grad():
-            w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])  # [E, 2I, H]
-            w2 = torch.stack([e.down_proj.weight for e in self.experts])  # [E, H, I]
+            w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts]
+                              + (list(shared[0]) if shared else []))  # [E + S, 2I, H]
+            w2 = torch.stack([e.down_proj.weight for e in self.experts]
+                             + (list(shared[1]) if shared else []))  # [E + S, H, I]
         self.w13 = nn.Parameter(w13, requires_grad=False)
         self.w2 = nn.Parameter(w2, requires_grad=False)
         del self.experts
-        self.fold_shared_experts()
+        if shared:
+            self.shared_in_stack, self.shared_experts = shared[1].shape[0], None
         fused_moe.load_kernels()
 
     @property
@@ -127,34 +133,43 @@ class MoE(nn.Module):
         """The routed experts held in w13 / w2 (all, or this rank's under expert parallelism)."""
         return self.w13.shape[0] - self.shared_in_stack
 
-    def fold_shared_experts(self) -> None:
-        """Append the shared MLP [S·I] to the grouped stack as S experts of I, where I divides its size."""
-        shared, inter = self.shared_experts, self.w2.shape[-1]
+    def _shared_as_experts(self, inter: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The shared MLP [S·I] as S experts of `inter` = I (gate ‖ up [S, 2I, H], down [S, H, I]), or None
+        where there is none or I does not divide its intermediate size. Expert s is its columns [sI, sI + I)."""
+        shared = self.shared_experts
         if shared is None or shared.down_proj.in_features % inter:
+            return None
+        S, H = shared.down_proj.in_features // inter, shared.down_proj.out_features
+        gate = shared.gate_proj.weight.reshape(S, inter, H)  # [S, I, H]
+        up = shared.up_proj.weight.reshape(S, inter, H)  # [S, I, H]
+        return torch.cat([gate, up], dim=1), shared.down_proj.weight.reshape(H, S, inter).transpose(0, 1)
+
+    def fold_shared_experts(self) -> None:
+        """Append the shared MLP to the grouped stack as S experts (`_shared_as_experts`), where it splits."""
+        shared = self._shared_as_experts(self.w2.shape[-1])
+        if shared is None:
             return
-        S, H = shared.down_proj.in_features // inter, self.w2.shape[1]
         with torch.no_grad():
-            gate = shared.gate_proj.weight.view(S, inter, H)  # [S, I, H]
-            up = shared.up_proj.weight.view(S, inter, H)  # [S, I, H]
-            down = shared.down_proj.weight.view(H, S, inter).transpose(0, 1)  # [S, H, I]
-            self.w13 = nn.Parameter(torch.cat([self.w13, torch.cat([gate, up], dim=1)]), requires_grad=False)
-            self.w2 = nn.Parameter(torch.cat([self.w2, down]), requires_grad=False)
-        self.shared_in_stack, self.shared_experts = S, None
+            self.w13 = nn.Parameter(torch.cat([self.w13, shared[0]]), requires_grad=False)  # [E + S, 2I, H]
+            self.w2 = nn.Parameter(torch.cat([self.w2, shared[1]]), requires_grad=False)  # [E + S, H, I]
+        self.shared_in_stack, self.shared_experts = shared[1].shape[0], None
 
     def unfold_shared_experts(self) -> None:
-        """The shared MLP back out of the grouped stack (`fold_shared_experts` undone)."""
+        """The shared MLP back out of the grouped stack (`fold_shared_experts` undone). The routed stack
+        stays a view of the folded one until it is replaced (export/parallel.py slices it)."""
         S = self.shared_in_stack
         if not S:
             return
         E, (_, H, inter) = self.routed_in_stack, self.w2.shape
-        shared = MLP(H, S * inter).to(self.w2.dtype).to(self.w2.device).requires_grad_(False)
-        with torch.no_grad():
-            gate, up = self.w13[E:].chunk(2, dim=1)  # [S, I, H] each
-            shared.gate_proj.weight.copy_(gate.reshape(S * inter, H))
-            shared.up_proj.weight.copy_(up.reshape(S * inter, H))
-            shared.down_proj.weight.copy_(self.w2[E:].transpose(0, 1).reshape(H, S * inter))
-        self.w13 = nn.Parameter(self.w13[:E].clone(), requires_grad=False)
-        self.w2 = nn.Parameter(self.w2[:E].clone(), requires_grad=False)
+        with torch.device("meta"):
+            shared = MLP(H, S * inter)
+        gate, up = self.w13[E:].chunk(2, dim=1)  # [S, I, H] each
+        for linear, weight in ((shared.gate_proj, gate.reshape(S * inter, H)),
+                               (shared.up_proj, up.reshape(S * inter, H)),
+                               (shared.down_proj, self.w2[E:].transpose(0, 1).reshape(H, S * inter))):
+            linear.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        self.w13 = nn.Parameter(self.w13[:E], requires_grad=False)  # [E, 2I, H]
+        self.w2 = nn.Parameter(self.w2[:E], requires_grad=False)  # [E, H, I]
         self.shared_experts, self.shared_in_stack = shared, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -166,7 +166,7 @@ def test_v2_lite_floor_counts_the_published_parameters_per_step():
 def test_realistic_refuses_the_dense_moe_after_a_grouped_one():
     """Grouping the experts cannot be undone, so a dense variant after a grouped one would time the grouped MoE."""
     assert parse_variants("dense,selected,fused") == ["dense", "selected", "fused"]
-    assert parse_variants("fused,fused-apart") == ["fused", "fused-apart"]  # folding the shared experts undoes
+    assert parse_variants("fused,fused-apart") == ["fused", "fused-apart"]  # the shared experts fold and unfold
     for bad in ("fused,dense", "selected,dense", "dense,sparse"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_variants(bad)

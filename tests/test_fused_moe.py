@@ -25,7 +25,8 @@ def kernels(monkeypatch):
     monkeypatch.setattr(fused_moe, "runs_on", lambda device: True)
     calls = []
     fused = fused_moe.fused_experts
-    monkeypatch.setattr(fused_moe, "fused_experts", lambda *args: calls.append((*args[4].shape, *args[5:])) or fused(*args))
+    monkeypatch.setattr(fused_moe, "fused_experts",
+                        lambda *args: calls.append((*args[4].shape, *args[5:])) or fused(*args))
     return calls
 
 
@@ -52,7 +53,8 @@ def test_the_kernels_compute_the_grouped_moe(kernels, dtype, tolerance, shape):
     assert (fused.float() - grouped.float()).abs().max() <= tolerance * grouped.float().abs().max()
 
 
-@pytest.mark.parametrize("H, I, block_n, block_k, S", [(200, 72, 16, 128, 0), (33, 7, 32, 16, 2), (300, 140, 16, 16, 1)])
+@pytest.mark.parametrize("H, I, block_n, block_k, S",
+                         [(200, 72, 16, 128, 0), (33, 7, 32, 16, 2), (300, 140, 16, 16, 1)])
 def test_the_kernels_compute_each_pair_over_several_blocks(kernels, monkeypatch, H, I, block_n, block_k, S):
     """Sizes that are not multiples of the blocks, reductions over several of them, and S shared experts after
     the routed ones, against float32 einsums."""
@@ -75,6 +77,7 @@ def test_the_kernels_compute_each_pair_over_several_blocks(kernels, monkeypatch,
     {},  # 8 experts in 2 groups, top-2 of the best group
     {"n_group": 1, "topk_group": 1},  # no group limit (DeepSeek-V2-Lite)
     {"n_routed_experts": 12, "n_group": 2, "num_experts_per_tok": 3},  # groups of 6: padded blocks
+    {"n_routed_experts": 12, "n_group": 3, "topk_group": 2},  # 3 groups: a padded group
     {"n_group": 4, "topk_group": 2, "norm_topk_prob": False},
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -84,6 +87,13 @@ def test_the_routing_kernel_picks_the_gates_experts(kernels, overrides, dtype):
     (w, idx), (kernel_w, kernel_idx) = moe.gate.route(x), fused_moe.route(moe.gate, x)  # [N, K] each
     assert torch.equal(kernel_idx, idx)  # the same experts in the same order
     assert kernel_w.dtype == torch.float32 and torch.allclose(kernel_w, w, rtol=1e-6, atol=1e-6)
+
+
+def test_the_routing_kernel_picks_experts_in_range_from_nan_logits(kernels):
+    moe = random_moe(torch.float32)  # 8 experts, no shared one folded: an id of 8 would read past the stack
+    x = torch.full((2, 64), float("nan"))  # [N, H]
+    _, idx = fused_moe.route(moe.gate, x)  # [N, K]
+    assert ((idx >= 0) & (idx < 8)).all()
 
 
 def test_more_picks_than_experts_take_the_grouped_gemms_unless_their_bytes_are_few(kernels, monkeypatch):
@@ -144,5 +154,6 @@ def test_a_compiled_moe_guards_once_on_its_tokens(monkeypatch):
     finally:
         torch._dynamo.reset()
     # (1, 1), (1, >1), (>1, 1), (>1, >1), then (>1, 1) and (>1, >1) past 40 tokens; the two rules as two
-    # comparisons made 8 (the pairs against the experts split them again).
+    # comparisons made 8 (the pairs against the experts split them again). The count follows dynamo's
+    # specialization of sizes 0 and 1 (torch 2.13).
     assert len(graphs) == 6

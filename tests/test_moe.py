@@ -85,10 +85,11 @@ def test_grouping_folds_the_shared_experts_into_the_stack(shared_experts):
     moe.group_experts()
     assert moe.shared_experts is None and (moe.shared_in_stack, moe.routed_in_stack) == (shared_experts, 8)
     assert moe.w13.shape == (8 + shared_experts, 64, 64) and moe.w2.shape == (8 + shared_experts, 64, 32)
-    # Shared expert s is the MLP's intermediate columns [32 s, 32 s + 32).
-    s = shared_experts - 1
-    assert torch.equal(moe.w13[8 + s, 32:], shared.up_proj.weight[32 * s :])
-    assert torch.equal(moe.w2[8 + s], shared.down_proj.weight[:, 32 * s :])
+    for s in range(shared_experts):  # shared expert s is the MLP's intermediate columns [32 s, 32 s + 32)
+        columns = slice(32 * s, 32 * s + 32)
+        assert torch.equal(moe.w13[8 + s, :32], shared.gate_proj.weight[columns])
+        assert torch.equal(moe.w13[8 + s, 32:], shared.up_proj.weight[columns])
+        assert torch.equal(moe.w2[8 + s], shared.down_proj.weight[:, columns])
     moe.unfold_shared_experts()
     assert moe.w13.shape[0] == 8 and moe.shared_in_stack == 0
     for name, param in shared.named_parameters():
