@@ -15,7 +15,8 @@ The routed experts run one of two ways (`MOE_KINDS`):
   parallelism a rank holds E/W experts and takes K picks among them, so picks with zero weight may
   read experts no token chose; the sum is the same. Where the picks are few (a decode step: no more than
   the experts, or few bytes of them) and Triton runs (CUDA), the routed part is instead two kernels that
-  read each pick's expert in place (export/fused_moe.py): no sort, gather or offsets.
+  read each pick's expert in place (export/fused_moe.py): no sort, gather or offsets. Where Triton runs,
+  the routing after the gate's linear is one kernel too, for every call.
 
 Grouping also folds the shared experts into the stack where their intermediate size is a multiple of the
 routed experts' (always, unless tensor parallelism split it otherwise): SwiGLU splits over its intermediate
