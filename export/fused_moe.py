@@ -31,7 +31,6 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from triton_mtp.export.moe import Gate
@@ -95,7 +94,7 @@ def fused_experts(
 def route(gate: Gate, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`gate.route(x)` with everything after the gate's linear in one kernel: x[N, H] -> (routing weights
     [N, K] float32, expert ids [N, K])."""
-    logits = F.linear(x.float(), gate.weight.float())  # [N, E]
+    logits = gate.logits(x)  # [N, E]
     N, K, G = x.shape[0], gate.top_k, gate.n_group
     top_w = torch.empty(N, K, dtype=torch.float32, device=x.device)  # [N, K]
     top_idx = torch.empty(N, K, dtype=torch.int64, device=x.device)  # [N, K]

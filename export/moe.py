@@ -61,10 +61,19 @@ class Gate(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts))
 
+    def hold_float32(self) -> None:
+        """Keep the weight and the bias in float32, as `logits` and `route` use them: no conversion per call."""
+        self.weight = nn.Parameter(self.weight.float(), requires_grad=self.weight.requires_grad)
+        self.e_score_correction_bias = self.e_score_correction_bias.float()
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x[N, H] -> the router's logits [N, E] float32 (before the sigmoid)."""
+        return F.linear(x.float(), self.weight.float())
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x[N, H] -> (routing weights [N, K] float32, expert ids [N, K]) of each token's top-k experts."""
         N = x.shape[0]
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
+        scores = self.logits(x).sigmoid()  # [N, E]
         choice = scores + self.e_score_correction_bias.float()  # [N, E]
         if self.topk_group < self.n_group:  # keep the experts of the best topk_group groups
             grouped = choice.view(N, self.n_group, self.num_experts // self.n_group)  # [N, G, E/G]
@@ -127,12 +136,17 @@ class MoE(nn.Module):
         del self.experts
         if shared:
             self.shared_in_stack, self.shared_experts = shared[1].shape[0], None
+        self.gate.hold_float32()
         fused_moe.load_kernels()
 
     @property
     def routed_in_stack(self) -> int:
         """The routed experts held in w13 / w2 (all, or this rank's under expert parallelism)."""
         return self.w13.shape[0] - self.shared_in_stack
+
+    def kernel_tokens(self) -> int:
+        """The most tokens a call runs through export/fused_moe.py's expert kernels (`fused_moe.max_tokens`)."""
+        return fused_moe.max_tokens(self.gate.top_k + self.shared_in_stack, self.w13, self.w2)
 
     def _shared_as_experts(self, inter: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The shared MLP [S·I] as S experts of `inter` = I (gate ‖ up [S, 2I, H], down [S, H, I]), or None
@@ -194,7 +208,7 @@ class MoE(nn.Module):
         if E < self.gate.num_experts:  # expert parallel: picks of other ranks' experts weigh zero here
             local = top_idx - self.first_expert  # [N, K]
             top_w, top_idx = top_w * ((local >= 0) & (local < E)), local.clamp(0, E - 1)  # [N, K] each
-        if kernels and N <= fused_moe.max_tokens(K + S, self.w13, self.w2):
+        if kernels and N <= self.kernel_tokens():
             return fused_moe.fused_experts(flat, self.w13, self.w2, top_w, top_idx, S)  # [N, H]
         if S:  # every token also picks the shared experts, weight 1
             shared = torch.arange(E, E + S, device=flat.device).expand(N, S)  # [N, S]

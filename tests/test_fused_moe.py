@@ -30,6 +30,15 @@ def kernels(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def routes(kernels, monkeypatch):
+    """With the kernels: records the tokens of each call of the routing kernel."""
+    calls = []
+    route = fused_moe.route
+    monkeypatch.setattr(fused_moe, "route", lambda gate, x: calls.append(x.shape[0]) or route(gate, x))
+    return calls
+
+
 def grouped_pair(dtype: torch.dtype, seed: int = 0):
     """The same grouped MoE twice: with the decode kernels and without."""
     needs_grouped_mm(dtype)
@@ -44,11 +53,12 @@ def grouped_pair(dtype: torch.dtype, seed: int = 0):
 # which biases the kernels' four roundings: bf16 gets a wider bound here than on the GPU (bench/fused_moe.py).
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("shape", [(1, 1), (2, 1), (1, 4), (2, 2)])  # 2 to 8 picks of 8 experts
-def test_the_kernels_compute_the_grouped_moe(kernels, dtype, tolerance, shape):
+def test_the_kernels_compute_the_grouped_moe(kernels, routes, dtype, tolerance, shape):
     moe, plain = grouped_pair(dtype)
     x = torch.randn(*shape, 64, dtype=dtype)  # [B, T, H]
     fused, grouped = moe(x), plain(x)  # [B, T, H] each
     assert kernels == [(shape[0] * shape[1], 2, 1)]  # the shared expert folded in
+    assert routes == [shape[0] * shape[1]]  # routed by the kernel too; the plain MoE by Gate.route
     assert fused.shape == grouped.shape and fused.dtype == grouped.dtype
     assert (fused.float() - grouped.float()).abs().max() <= tolerance * grouped.float().abs().max()
 

@@ -76,6 +76,16 @@ def test_grouping_stacks_the_experts_once():
     assert {"w13", "w2"} <= names and not any(name.startswith(("experts.", "shared_experts.")) for name in names)
 
 
+def test_grouping_holds_the_gate_in_float32_and_routes_alike():
+    moe = random_moe(torch.bfloat16)
+    x = torch.randn(6, 64, dtype=torch.bfloat16)  # [N, H]
+    before = moe.gate.route(x)  # ([N, K], [N, K])
+    moe.group_experts()
+    assert moe.gate.weight.dtype == moe.gate.e_score_correction_bias.dtype == torch.float32
+    after = moe.gate.route(x)
+    assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
+
+
 @pytest.mark.parametrize("shared_experts", [1, 3])
 def test_grouping_folds_the_shared_experts_into_the_stack(shared_experts):
     moe = random_moe(torch.float32, n_shared_experts=shared_experts)
