@@ -65,8 +65,7 @@ def runs_on(device: torch.device) -> bool:
 def max_tokens(picks: int, w13: torch.Tensor, w2: torch.Tensor) -> int:
     """The most tokens of `picks` (token, pick) pairs each over experts w13[E, 2I, H], w2[E, H, I] that go
     through the kernels: their pairs no more than the experts, or their weight reads within REREAD_BYTES.
-    One bound from the weights' static shapes, so a compiled step guards on one comparison of its tokens
-    (two would split its shapes into more compiled variants)."""
+    One bound from the weights' static shapes, compared inside `moe.routed_experts`."""
     expert_bytes = (w13.shape[1] * w13.shape[2] + w2.shape[1] * w2.shape[2]) * w13.element_size()
     return max(w13.shape[0] // picks, REREAD_BYTES // (picks * expert_bytes))
 

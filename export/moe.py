@@ -204,28 +204,56 @@ class MoE(nn.Module):
     def _grouped(self, flat: torch.Tensor) -> torch.Tensor:
         kernels = self.fused_decode and fused_moe.runs_on(flat.device)
         top_w, top_idx = fused_moe.route(self.gate, flat) if kernels else self.gate.route(flat)  # [N, K] each
-        (N, K), E, S = top_idx.shape, self.routed_in_stack, self.shared_in_stack
+        E, S = self.routed_in_stack, self.shared_in_stack
         if E < self.gate.num_experts:  # expert parallel: picks of other ranks' experts weigh zero here
             local = top_idx - self.first_expert  # [N, K]
             top_w, top_idx = top_w * ((local >= 0) & (local < E)), local.clamp(0, E - 1)  # [N, K] each
-        if kernels and N <= self.kernel_tokens():
-            return fused_moe.fused_experts(flat, self.w13, self.w2, top_w, top_idx, S)  # [N, H]
-        if S:  # every token also picks the shared experts, weight 1
-            shared = torch.arange(E, E + S, device=flat.device).expand(N, S)  # [N, S]
-            top_idx, top_w = torch.cat([top_idx, shared], 1), torch.cat([top_w, top_w.new_ones(N, S)], 1)  # [N, K+S]
-        picks = K + S
-        experts = top_idx.reshape(-1)  # [N*picks]
-        order = experts.argsort(stable=True)  # [N*picks] (token, pick) pairs grouped by expert
-        xs = flat.index_select(0, order // picks)  # [N*picks, H]
-        # bincount would size its output from experts.max() on the host: a sync that breaks graph capture.
-        counts = torch.zeros(E + S, dtype=torch.int32, device=flat.device).scatter_add_(
-            0, experts, torch.ones_like(experts, dtype=torch.int32))  # [E+S] pairs per expert
-        offs = counts.cumsum(0, dtype=torch.int32)  # [E+S] end of each expert's rows
-        gate, up = F.grouped_mm(xs, self.w13.transpose(-2, -1), offs=offs).chunk(2, dim=-1)  # [N*picks, I] each
-        ys = F.grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=offs)  # [N*picks, H]
-        weighted = ys.float() * top_w.reshape(-1).index_select(0, order).unsqueeze(-1)  # [N*picks, H]
-        # Back to (token, pick) order and a sum over the picks: deterministic, unlike atomic index_add.
-        return torch.empty_like(weighted).index_copy_(0, order, weighted).view(N, picks, -1).sum(1)  # [N, H]
+        if kernels:
+            return routed_experts(flat, self.w13, self.w2, top_w, top_idx, S, self.kernel_tokens())  # [N, H]
+        return grouped_experts(flat, self.w13, self.w2, top_w, top_idx, S)  # [N, H]
+
+
+def grouped_experts(flat: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_w: torch.Tensor,
+                    top_idx: torch.Tensor, shared: int) -> torch.Tensor:
+    """The grouped GEMMs: flat[N, H] through experts w13[E + S, 2I, H], w2[E + S, H, I] at picks top_idx[N, K]
+    (local ids) weighted top_w[N, K], plus the last `shared` (S) experts at weight 1 -> [N, H] float32."""
+    (N, K), S = top_idx.shape, shared
+    E = w13.shape[0] - S
+    if S:  # every token also picks the shared experts, weight 1
+        shared_idx = torch.arange(E, E + S, device=flat.device).expand(N, S)  # [N, S]
+        top_idx, top_w = torch.cat([top_idx, shared_idx], 1), torch.cat([top_w, top_w.new_ones(N, S)], 1)  # [N, K+S]
+    picks = K + S
+    experts = top_idx.reshape(-1)  # [N*picks]
+    order = experts.argsort(stable=True)  # [N*picks] (token, pick) pairs grouped by expert
+    xs = flat.index_select(0, order // picks)  # [N*picks, H]
+    # bincount would size its output from experts.max() on the host: a sync that breaks graph capture.
+    counts = torch.zeros(E + S, dtype=torch.int32, device=flat.device).scatter_add_(
+        0, experts, torch.ones_like(experts, dtype=torch.int32))  # [E+S] pairs per expert
+    offs = counts.cumsum(0, dtype=torch.int32)  # [E+S] end of each expert's rows
+    gate, up = F.grouped_mm(xs, w13.transpose(-2, -1), offs=offs).chunk(2, dim=-1)  # [N*picks, I] each
+    ys = F.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)  # [N*picks, H]
+    weighted = ys.float() * top_w.reshape(-1).index_select(0, order).unsqueeze(-1)  # [N*picks, H]
+    # Back to (token, pick) order and a sum over the picks: deterministic, unlike atomic index_add.
+    return torch.empty_like(weighted).index_copy_(0, order, weighted).view(N, picks, -1).sum(1)  # [N, H]
+
+
+# One opaque op for the dispatch where the kernels run: a compiled step (dynamic shapes) would otherwise guard
+# on `tokens <= kernel_tokens` and compile each size class twice, once on each side of the bound, which made
+# the served model's load compile more variants (bench/load_time.py). Each CUDA graph still replays one path:
+# its tokens are fixed at capture.
+@torch.library.custom_op("triton_mtp::routed_experts", mutates_args=())
+def routed_experts(flat: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_w: torch.Tensor,
+                   top_idx: torch.Tensor, shared: int, kernel_tokens: int) -> torch.Tensor:
+    """`grouped_experts`, through export/fused_moe.py's kernels for calls of at most `kernel_tokens` tokens."""
+    if flat.shape[0] <= kernel_tokens:
+        return fused_moe.fused_experts(flat, w13, w2, top_w, top_idx, shared)  # [N, H]
+    return grouped_experts(flat, w13, w2, top_w, top_idx, shared)  # [N, H]
+
+
+@routed_experts.register_fake
+def _(flat: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_w: torch.Tensor, top_idx: torch.Tensor,
+      shared: int, kernel_tokens: int) -> torch.Tensor:
+    return flat.new_empty(flat.shape[0], w2.shape[1], dtype=torch.float32)  # [N, H]
 
 
 def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:

@@ -60,9 +60,8 @@ COMPILE_OPTIONS = {"emulate_precision_casts": True}
 
 
 # Compiled variants of one step's code (dynamo's recompile_limit, 8 by default). The served graphs need more:
-# sizes of 1 specialize, the MTP layers share `MTPLayerStep.forward` and guard on their layer, and the MoE
-# guards on whether its tokens go through export/fused_moe.py's kernels. Past the limit dynamo runs the step
-# uncompiled, which the served logs showed for MTP calls (runs 29 to 35) and target calls (runs 32 to 35).
+# sizes of 1 specialize and the MTP layers share `MTPLayerStep.forward` and guard on their layer (4 variants of
+# the target, 4 per MTP layer: WARM_UP_SHAPES). Past the limit dynamo runs the step uncompiled, which the served logs showed for MTP calls (runs 29 to 35) and target calls (runs 32 to 35).
 RECOMPILE_LIMIT = 64
 
 
