@@ -55,7 +55,7 @@
 #   realistic   bench/realistic.py: the DeepSeek-V2-Lite-shaped decode step against its bandwidth floor, dense
 #               and grouped MoE, the grouped one through its GEMMs and through the decode kernels
 #               (BENCH_REALISTIC_GRAPHS=reduce-overhead: steps compiled, then graphed; BENCH_REALISTIC_ARGS: more
-#               arguments), and the op table of one eager step: $OUT/realistic_profile.txt
+#               arguments), and the kernel table of one timed step of the last variant: $OUT/realistic_profile.txt
 #   standalone_compiled  the standalone loop under torch.compile(mode="reduce-overhead"), with the time left
 # Every stage is cut to what BENCH_DEADLINE_S (default 540) leaves, and the report is rewritten after each.
 # then bench/report.py writes $OUT/results.json, results.md, sweep.png, acceptance.png (with matplotlib);

@@ -9,7 +9,9 @@ GPUs (`export.moe`, `MoE.group_experts`: only the selected experts' weights are 
 grouped GEMMs ("selected") and through the decode kernels of export/fused_moe.py ("fused"; "fused-apart"
 keeps the shared experts as their own MLP instead of folding them into the kernels' picks). Where
 grouped_mm does not run natively for the device and dtype, the grouped variants are left out.
-`--profile FILE` writes the op table (torch.profiler) of one eager step of the last variant.
+`--profile FILE` writes the kernel table (torch.profiler) of one timed step of the last variant (compiled and
+replayed as timed, so the table shows where the step's device time goes beyond the floor) and records the
+step's kernel count in the result.
 
     floor = (weight bytes touched per step + KV bytes of the context) / copy bandwidth
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -151,25 +154,29 @@ def run(args: argparse.Namespace) -> dict:
                                "step_over_floor": seconds / floor}
         print(f"realistic {name} MoE: step {seconds * 1e3:.3f} ms, floor {floor * 1e3:.3f} ms "
               f"({touched / 1e9:.2f} GB touched), eager {eager_s * 1e3:.2f} ms", flush=True)
+        if args.profile and name == args.variants[-1]:
+            result["moe"][name]["kernels_per_step"] = profile_step(step, inputs, args.profile)
         write_result(args.out, result)  # what is done so far survives a time limit
         del step
-    if args.profile:
-        profile_step(target, inputs, args.profile)
     return result
 
 
-def profile_step(target: DeepseekV3Target, inputs: tuple[torch.Tensor, ...], path: str) -> None:
-    """Write the op table of one eager decode step, sorted by device time."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if inputs[0].is_cuda:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
+def profile_step(step: Callable[..., object], inputs: tuple[torch.Tensor, ...], path: str) -> int:
+    """Write the table of one call of `step` (as timed: a graph replay's kernels are listed one by one), sorted
+    by device time; the device kernels it ran (CPU: the ops)."""
+    cuda = inputs[0].is_cuda
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.no_grad():
-        target(*inputs)  # warm
+        step(*inputs)  # warm
         with torch.profiler.profile(activities=activities) as prof:
-            target(*inputs)
+            step(*inputs)
             synchronize(inputs[0].device)
-    sort = "self_cuda_time_total" if inputs[0].is_cuda else "self_cpu_time_total"
-    Path(path).write_text(prof.key_averages().table(sort_by=sort, row_limit=40) + "\n")
+    events = prof.events()
+    kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA) if cuda else len(events)
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    Path(path).write_text(f"{kernels} {'kernels' if cuda else 'ops'} in one step\n\n"
+                          + prof.key_averages().table(sort_by=sort, row_limit=60) + "\n")
+    return kernels
 
 
 # The grouped MoE's variants; any order, after dense.
@@ -199,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, help="override hidden_size (smoke runs)")
     parser.add_argument("--experts", type=int, help="override n_routed_experts (smoke runs)")
     parser.add_argument("--vocab", type=int, help="override vocab_size (smoke runs)")
-    parser.add_argument("--profile", metavar="FILE", help="write the op table of one eager step here")
+    parser.add_argument("--profile", metavar="FILE", help="write the kernel table of one timed step of the last variant here")
     parser.add_argument("--variants", default=["dense", *GROUPED], type=parse_variants,
                         help="MoE variants to time, in order (default dense,selected,fused-apart,fused): dense, "
                              "selected (the grouped GEMMs), fused-apart (grouped, decode steps through "
