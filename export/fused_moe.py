@@ -74,7 +74,7 @@ def fused_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_w: torch.Tensor, top_idx: torch.Tensor, shared: int
 ) -> torch.Tensor:
     """x[N, H], w13[E + S, 2I, H], w2[E + S, H, I], top_w[N, K] f32, top_idx[N, K] (local expert ids), with the
-    last `shared` (S) experts picked by every token at weight 1 -> [N, H] f32."""
+    last `shared` (S) experts picked by every token at weight 1 -> each pick's weighted output [N, K + S, H] f32."""
     (N, K), (held, two_i, H) = top_idx.shape, w13.shape
     picks = K + shared
     pairs = N * picks
@@ -87,7 +87,7 @@ def fused_experts(
     KERNELS.down[(pairs, (H + BLOCK_N - 1) // BLOCK_N)](
         h13, w2.contiguous(), top_idx, top_w, y, K, picks, held - shared, H, two_i // 2,
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
-    return y.view(N, picks, H).sum(1)  # [N, H]
+    return y.view(N, picks, H)  # [N, K+S, H]
 
 
 def route(gate: Gate, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -209,14 +209,19 @@ class MoE(nn.Module):
             local = top_idx - self.first_expert  # [N, K]
             top_w, top_idx = top_w * ((local >= 0) & (local < E)), local.clamp(0, E - 1)  # [N, K] each
         if kernels:
-            return routed_experts(flat, self.w13, self.w2, top_w, top_idx, S, self.kernel_tokens())  # [N, H]
-        return grouped_experts(flat, self.w13, self.w2, top_w, top_idx, S)  # [N, H]
+            picked = routed_experts(flat, self.w13, self.w2, top_w, top_idx, S, self.kernel_tokens())  # [N, K+S, H]
+        else:
+            picked = grouped_experts(flat, self.w13, self.w2, top_w, top_idx, S)  # [N, K+S, H]
+        # The sum over the picks outside the op, where the compiled step fuses it with the cast and the residual
+        # add; deterministic, unlike atomic index_add.
+        return picked.sum(1)  # [N, H]
 
 
 def grouped_experts(flat: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_w: torch.Tensor,
                     top_idx: torch.Tensor, shared: int) -> torch.Tensor:
     """The grouped GEMMs: flat[N, H] through experts w13[E + S, 2I, H], w2[E + S, H, I] at picks top_idx[N, K]
-    (local ids) weighted top_w[N, K], plus the last `shared` (S) experts at weight 1 -> [N, H] float32."""
+    (local ids) weighted top_w[N, K], plus the last `shared` (S) experts at weight 1 -> each pick's weighted
+    output [N, K + S, H] float32, in (token, pick) order."""
     (N, K), S = top_idx.shape, shared
     E = w13.shape[0] - S
     if S:  # every token also picks the shared experts, weight 1
@@ -233,8 +238,7 @@ def grouped_experts(flat: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     gate, up = F.grouped_mm(xs, w13.transpose(-2, -1), offs=offs).chunk(2, dim=-1)  # [N*picks, I] each
     ys = F.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)  # [N*picks, H]
     weighted = ys.float() * top_w.reshape(-1).index_select(0, order).unsqueeze(-1)  # [N*picks, H]
-    # Back to (token, pick) order and a sum over the picks: deterministic, unlike atomic index_add.
-    return torch.empty_like(weighted).index_copy_(0, order, weighted).view(N, picks, -1).sum(1)  # [N, H]
+    return torch.empty_like(weighted).index_copy_(0, order, weighted).view(N, picks, -1)  # [N, K+S, H]
 
 
 # One opaque op for the dispatch where the kernels run: a compiled step (dynamic shapes) would otherwise guard
@@ -246,14 +250,14 @@ def routed_experts(flat: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_
                    top_idx: torch.Tensor, shared: int, kernel_tokens: int) -> torch.Tensor:
     """`grouped_experts`, through export/fused_moe.py's kernels for calls of at most `kernel_tokens` tokens."""
     if flat.shape[0] <= kernel_tokens:
-        return fused_moe.fused_experts(flat, w13, w2, top_w, top_idx, shared)  # [N, H]
-    return grouped_experts(flat, w13, w2, top_w, top_idx, shared)  # [N, H]
+        return fused_moe.fused_experts(flat, w13, w2, top_w, top_idx, shared)  # [N, K+S, H]
+    return grouped_experts(flat, w13, w2, top_w, top_idx, shared)  # [N, K+S, H]
 
 
 @routed_experts.register_fake
 def _(flat: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_w: torch.Tensor, top_idx: torch.Tensor,
       shared: int, kernel_tokens: int) -> torch.Tensor:
-    return flat.new_empty(flat.shape[0], w2.shape[1], dtype=torch.float32)  # [N, H]
+    return flat.new_empty(flat.shape[0], top_idx.shape[1] + shared, w2.shape[1], dtype=torch.float32)  # [N, K+S, H]
 
 
 def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:

@@ -78,8 +78,8 @@ def test_the_kernels_compute_each_pair_over_several_blocks(kernels, monkeypatch,
     h13 = torch.einsum("nkoh,nh->nko", w13[picks], x)  # [N, K+S, 2I]
     gate, up = h13.chunk(2, dim=-1)  # [N, K+S, I] each
     ys = torch.einsum("nkhi,nki->nkh", w2[picks], torch.nn.functional.silu(gate) * up)  # [N, K+S, H]
-    expected = (ys * torch.cat([top_w, torch.ones(N, S)], 1)[..., None]).sum(1)  # [N, H]
-    out = fused_moe.fused_experts(x, w13, w2, top_w, top_idx, S)  # [N, H]
+    expected = ys * torch.cat([top_w, torch.ones(N, S)], 1)[..., None]  # [N, K+S, H]
+    out = fused_moe.fused_experts(x, w13, w2, top_w, top_idx, S)  # [N, K+S, H]
     assert (out - expected).abs().max() <= 1e-5 * expected.abs().max()  # summation order alone
 
 
@@ -154,7 +154,8 @@ def test_a_compiled_moe_does_not_guard_on_its_tokens(monkeypatch):
     assert fused_moe.max_tokens(3, moe.w13, moe.w2) == 40
     graphs, taken = [], []  # compiled variants; tokens of the calls that took the kernels
     monkeypatch.setattr(fused_moe, "fused_experts",
-                        lambda x, w13, w2, top_w, top_idx, shared: taken.append(x.shape[0]) or x.float())
+                        lambda x, w13, w2, top_w, top_idx, shared:
+                        taken.append(x.shape[0]) or x.float()[:, None].expand(-1, top_idx.shape[1] + shared, -1))
     torch._dynamo.reset()
     compiled = torch.compile(moe, dynamic=True, backend=lambda gm, inputs: graphs.append(gm) or gm.forward)
     try:
