@@ -60,9 +60,10 @@ class MLAttention(nn.Module):
         positions: torch.Tensor,
         slot_ids: torch.Tensor,
         cache: torch.Tensor,
-        layer: int,
+        layer: int | torch.Tensor,
     ) -> torch.Tensor:
-        """x[B, T, H] -> [B, T, H]; writes this call's latents into `cache[layer]` first, then attends."""
+        """x[B, T, H] -> [B, T, H]; writes this call's latents into `cache[layer]` first, then attends. `layer` is an
+        int or a 0-d int64 tensor (an MTP layer step's: its graph is then the same for every layer)."""
         B, T, _ = x.shape
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)  # [B, T, h*dqk]
         q = q.view(B, T, self.num_heads, self.nope_dim + self.rope_dim)  # [B, T, h, dqk]
@@ -74,7 +75,9 @@ class MLAttention(nn.Module):
         latent = torch.cat([self.kv_a_layernorm(c_kv), apply_rotary(k_pe, cos, sin, self.interleave)], dim=-1)
         self._write(cache, layer, latent, positions, slot_ids)
 
-        kv_all = cache[layer].index_select(0, slot_ids).to(x.dtype)  # [B, S+1, r + dr]
+        _, num_slots, seq_plus_one, dim = cache.shape
+        rows = layer * num_slots + slot_ids  # [B] rows of the flattened pool
+        kv_all = cache.view(-1, seq_plus_one, dim).index_select(0, rows).to(x.dtype)  # [B, S+1, r + dr]
         c_all, pe_all = torch.split(kv_all, [self.kv_lora_rank, self.rope_dim], dim=-1)  # [B, S+1, r], [B, S+1, dr]
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = torch.split(w_kv, [self.nope_dim, self.v_dim], dim=1)  # [h, dn, r], [h, dv, r]
@@ -93,7 +96,8 @@ class MLAttention(nn.Module):
 
     @staticmethod
     def _write(
-        cache: torch.Tensor, layer: int, latent: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor
+        cache: torch.Tensor, layer: int | torch.Tensor, latent: torch.Tensor, positions: torch.Tensor,
+        slot_ids: torch.Tensor,
     ) -> None:
         """Write latent[B, T, D] at (layer, slot, position); padding (position -1) writes the scratch position."""
         _, num_slots, seq_plus_one, dim = cache.shape

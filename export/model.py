@@ -35,7 +35,7 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
         slot_ids: torch.Tensor,
         cache: torch.Tensor,
-        cache_layer: int,
+        cache_layer: int | torch.Tensor,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, slot_ids, cache, cache_layer)  # [B, T, H]
         return x + self.mlp(self.post_attention_layernorm(x))  # [B, T, H]
@@ -155,11 +155,26 @@ class DeepseekV3MTP(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Row t pairs embed(token_ids[:, t]) with hidden[:, t]; uses MTP layer `layer % num_nextn_predict_layers`."""
         k = layer % self.config.num_nextn_predict_layers
-        mtp = self.model.layers[str(self.config.num_hidden_layers + k)]
+        return self.run_layer(self.mtp_layer(k), k, token_ids, hidden, positions, slot_ids)
+
+    def mtp_layer(self, k: int) -> MTPLayer:
+        """MTP layer k (of `num_nextn_predict_layers`)."""
+        return self.model.layers[str(self.config.num_hidden_layers + k)]
+
+    def run_layer(
+        self,
+        mtp: MTPLayer,
+        cache_layer: int | torch.Tensor,
+        token_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        slot_ids: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`mtp` (one of this model's layers) over its pool layer `cache_layer` -> (logits float32, hidden_out)."""
         embed = self.embed_tokens(token_ids)  # [B, T, H]
         x = mtp.eh_proj(torch.cat([mtp.enorm(embed), mtp.hnorm(hidden.to(embed.dtype))], dim=-1))  # [B, T, H]
         cos, sin = self.rotary(positions.clamp(min=0), x.dtype)  # [B, T, rope_dim] each
-        x = mtp(x, cos, sin, positions, slot_ids, self.kv_cache, k)  # [B, T, H]
+        x = mtp(x, cos, sin, positions, slot_ids, self.kv_cache, cache_layer)  # [B, T, H]
         hidden_out = mtp.shared_head.norm(x)  # [B, T, H]
         return self.head(hidden_out).float(), hidden_out
 
@@ -169,11 +184,18 @@ class DeepseekV3MTP(nn.Module):
 
 
 class MTPLayerStep(nn.Module):
-    """One fixed MTP layer of a `DeepseekV3MTP` (for one exported graph per layer)."""
+    """One fixed MTP layer of a `DeepseekV3MTP` (for one exported graph per layer).
+
+    The layer's module and its pool layer (a 0-d tensor) are what differ between the steps of two layers, so
+    `torch.compile` traces one graph for all of them (module parameters and buffers are the graph's inputs):
+    a compiled MTP compiles its size classes once, not once per layer.
+    """
 
     def __init__(self, mtp: DeepseekV3MTP, layer: int) -> None:
         super().__init__()
         self.mtp, self.layer = mtp, layer
+        self.block = mtp.mtp_layer(layer)
+        self.register_buffer("cache_layer", torch.tensor(layer, device=mtp.kv_cache.device), persistent=False)
 
     def reset_cache(self) -> None:
         self.mtp.reset_cache()
@@ -181,7 +203,7 @@ class MTPLayerStep(nn.Module):
     def forward(
         self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.mtp(token_ids, hidden, positions, slot_ids, self.layer)
+        return self.mtp.run_layer(self.block, self.cache_layer, token_ids, hidden, positions, slot_ids)
 
 
 def _drop_shared_keys(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:

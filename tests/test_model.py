@@ -230,6 +230,42 @@ def test_mtp_incremental_decoding_equals_full_forward(mtp: DeepseekV3MTP) -> Non
         assert rel_err(incremental, full) <= 1e-4
 
 
+@torch.no_grad()
+def test_compiled_mtp_layer_steps_share_one_graph_and_keep_their_own_pool_layer(mtp: DeepseekV3MTP) -> None:
+    """The layer steps differ only in their module and pool-layer tensor, so `torch.compile` (dynamic shapes, as
+    served) traces each size class once for every layer; each layer still computes its own outputs and writes only
+    its own layer of the pool."""
+    layers = mtp.config.num_nextn_predict_layers
+    assert layers >= 2
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    steps = [torch.compile(mtp.layer_step(k), dynamic=True, backend=backend) for k in range(layers)]
+    tokens, hidden = sequences(7)
+    try:
+        for k, step in enumerate(steps):
+            for B, T in ((2, 3), (1, 1)):
+                ids, h = tokens[2][:T].expand(B, T), hidden[2][:T].expand(B, T, -1)  # [B, T], [B, T, H]
+                positions, slots = torch.arange(T).expand(B, T), torch.arange(B)  # [B, T], [B]
+                mtp.reset_cache()
+                expected = mtp(ids, h, positions, slots, k)
+                written = mtp.kv_cache.clone()
+                mtp.reset_cache()
+                got = step(ids, h, positions, slots)
+                assert all(rel_err(g, e) <= 1e-5 for g, e in zip(got, expected)), (k, B, T)
+                assert torch.equal(mtp.kv_cache, written), (k, B, T)
+                others = [i for i in range(layers) if i != k]
+                assert mtp.kv_cache[k].any() and not mtp.kv_cache[others].any(), (k, B, T)
+    finally:
+        torch._dynamo.reset()
+        mtp.reset_cache()
+    assert len(graphs) == 2  # (2, 3) and (1, 1): sizes of 1 specialize; the layers add none
+
+
 def test_mtp_state_dict_is_exactly_its_own_layers(
     config: ModelConfig, target: DeepseekV3Target, mtp: DeepseekV3MTP
 ) -> None:

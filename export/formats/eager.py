@@ -59,9 +59,11 @@ def save(
 COMPILE_OPTIONS = {"emulate_precision_casts": True}
 
 
-# Compiled variants of one step's code (dynamo's recompile_limit, 8 by default). The served graphs need more:
-# sizes of 1 specialize and the MTP layers share `MTPLayerStep.forward` and guard on their layer (4 variants of
-# the target, 4 per MTP layer: WARM_UP_SHAPES). Past the limit dynamo runs the step uncompiled, which the served logs showed for MTP calls (runs 29 to 35) and target calls (runs 32 to 35).
+# Compiled variants of one step's code (dynamo's recompile_limit, 8 by default). Past the limit dynamo runs the
+# step uncompiled, which the served logs showed for MTP calls (runs 29 to 35) and target calls (runs 32 to 35),
+# when the MoE guarded on its token bound and each MTP layer compiled its own variants. The served shapes now make
+# 4 variants of the target and 4 shared by the MTP layers (WARM_UP_SHAPES's size classes); the limit leaves room
+# for guards a checkpoint's config may add.
 RECOMPILE_LIMIT = 64
 
 
