@@ -22,6 +22,8 @@
 #   load_time   (on a GPU, only when BENCH_ONLY names it) bench/load_time.py: seconds to a ready server whose
 #               graphs capture compiled steps (--compile-graphs, local hops), with and without the compile
 #               cache the export ships: $OUT/load_time.json
+#   warm_up     (only when BENCH_ONLY names it) bench/warm_up.py: each step's compile at load in process (empty
+#               inductor cache), then the variants the decode graphs' shapes add: $OUT/warm_up.json
 #   compile_parity  (on a GPU, only when BENCH_ONLY names it) bench/compile_parity.py: the export's parity
 #               check of torch.compile'd steps per dtype:moe (BENCH_COMPILE_PARITY_CASES): $OUT/compile_parity.json
 #   export      triton-mtp export of the checkpoint into a model repository (BENCH_FORMAT; on a GPU eager,
@@ -279,6 +281,11 @@ if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" compile_parity "* ]]; th
     stage compile_parity "${BENCH_COMPILE_PARITY_S:-400}" python -m bench.compile_parity --checkpoint "$checkpoint" \
         --device cuda --cases "${BENCH_COMPILE_PARITY_CASES:-bf16:dense,bf16:grouped,fp32:dense}" \
         --verify-tokens $((max_draft + 1)) --out "$OUT/compile_parity.json"
+fi
+if [[ " ${BENCH_ONLY:-} " == *" warm_up "* ]]; then  # on request: minutes of compiling
+    stage warm_up "${BENCH_WARM_UP_S:-300}" python -m bench.warm_up --checkpoint "$checkpoint" --device "$device" \
+        --dtype "$dtype" --served-shapes --max-draft-tokens "$max_draft" --max-seq-len "$max_seq_len" \
+        --out "$OUT/warm_up.json"
 fi
 if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" load_time "* ]]; then  # on request: minutes of compiling
     stub_path_on
