@@ -20,6 +20,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.realistic import bytes_touched, parse_variants, v2_lite_config  # noqa: E402
 from bench.triton_ab import ab_repository  # noqa: E402
+from bench.warm_up import served_shapes  # noqa: E402
 
 
 def perfect_drafter_checkpoint(out: Path) -> Path:
@@ -161,6 +162,13 @@ def test_v2_lite_floor_counts_the_published_parameters_per_step():
         target = DeepseekV3Target(config, max_slots=1, max_seq_len=16).to(torch.bfloat16)
     assert abs(bytes_touched(config, target, selected=True) / 2 / 1e9 - 2.45) < 0.01
     assert bytes_touched(config, target, selected=False) / 2 / 1e9 > 15
+
+
+def test_warm_up_calls_every_shape_the_decode_graphs_capture():
+    # batch buckets 1, 2, 4, 8, 12 x 1 and 5 tokens, then the prompt families of 16, 32 and 64 tokens within 64
+    assert served_shapes(12, 5, 64) == [(b, t) for b in (1, 2, 4, 8, 12) for t in (1, 5)] + [
+        (1, 16), (2, 16), (4, 16), (1, 32), (2, 32), (1, 64)]
+    assert served_shapes(2, 1, 0) == [(1, 1), (2, 1)]  # one-token calls, no prompt graphs
 
 
 def test_realistic_refuses_the_dense_moe_after_a_grouped_one():
