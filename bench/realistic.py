@@ -11,7 +11,7 @@ keeps the shared experts as their own MLP instead of folding them into the kerne
 grouped_mm does not run natively for the device and dtype, the grouped variants are left out.
 `--profile FILE` writes the kernel table (torch.profiler) of one timed step of the last variant (compiled and
 replayed as timed, so the table shows where the step's device time goes beyond the floor) and records the
-step's kernel count in the result.
+step's count of device ops in the result.
 
     floor = (weight bytes touched per step + KV bytes of the context) / copy bandwidth
 
@@ -154,8 +154,8 @@ def run(args: argparse.Namespace) -> dict:
                                "step_over_floor": seconds / floor}
         print(f"realistic {name} MoE: step {seconds * 1e3:.3f} ms, floor {floor * 1e3:.3f} ms "
               f"({touched / 1e9:.2f} GB touched), eager {eager_s * 1e3:.2f} ms", flush=True)
-        if args.profile and name == args.variants[-1]:
-            result["moe"][name]["kernels_per_step"] = profile_step(step, inputs, args.profile)
+        if args.profile and name == list(variants)[-1]:
+            result["moe"][name]["device_ops_per_step"] = profile_step(step, inputs, args.profile)
         write_result(args.out, result)  # what is done so far survives a time limit
         del step
     return result
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def profile_step(step: Callable[..., object], inputs: tuple[torch.Tensor, ...], path: str) -> int:
     """Write the table of one call of `step` (as timed: a graph replay's kernels are listed one by one), sorted
-    by device time; the device kernels it ran (CPU: the ops)."""
+    by device time; the device ops it ran (CPU: the ops)."""
     cuda = inputs[0].is_cuda
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.no_grad():
@@ -172,11 +172,11 @@ def profile_step(step: Callable[..., object], inputs: tuple[torch.Tensor, ...], 
             step(*inputs)
             synchronize(inputs[0].device)
     events = prof.events()
-    kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA) if cuda else len(events)
+    ops = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA) if cuda else len(events)
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    Path(path).write_text(f"{kernels} {'kernels' if cuda else 'ops'} in one step\n\n"
+    Path(path).write_text(f"{ops} {'device ops (kernels, copies, memsets)' if cuda else 'ops'} in one step\n\n"
                           + prof.key_averages().table(sort_by=sort, row_limit=60) + "\n")
-    return kernels
+    return ops
 
 
 # The grouped MoE's variants; any order, after dense.

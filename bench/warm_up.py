@@ -42,8 +42,13 @@ def main() -> int:
     parser.add_argument("--prefill-tokens", type=int, default=256)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="warm-up-inductor-")  # before torch compiles
+    with tempfile.TemporaryDirectory(prefix="warm-up-inductor-") as cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # before torch compiles
+        return run(args)
 
+
+def run(args: argparse.Namespace) -> int:
+    """Warm each step up, then (with --served-shapes) call it at the captured shapes; writes args.out."""
     import torch
     from torch._dynamo.utils import counters
 

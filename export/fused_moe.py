@@ -19,8 +19,9 @@ repeat: `moe.MoE` takes this path only while the pairs are no more than the expe
 reads fit in REREAD_BYTES (small experts, as the bundled model's: a repeated expert comes from the L2
 cache, and the grouped path's dozen launches cost more than the bytes). The kernels round where the
 grouped path's bf16 ops round (h13, the activation, the product, y), so the two paths differ only in
-summation order. On CUDA they run where Triton does, captured in CUDA graphs and
-inside `torch.compile` (user-defined Triton kernels); on CPU they run only under Triton's interpreter
+summation order. On CUDA they run where Triton does, captured in CUDA graphs; a compiled step calls the expert
+kernels through `moe.routed_experts` (an opaque op) and traces `route` (a user-defined Triton kernel); on CPU they
+run only under Triton's interpreter
 (`TRITON_INTERPRET=1` when the kernels' module is imported: the tests).
 """
 

@@ -75,9 +75,11 @@ class MLAttention(nn.Module):
         latent = torch.cat([self.kv_a_layernorm(c_kv), apply_rotary(k_pe, cos, sin, self.interleave)], dim=-1)
         self._write(cache, layer, latent, positions, slot_ids)
 
-        _, num_slots, seq_plus_one, dim = cache.shape
-        rows = layer * num_slots + slot_ids  # [B] rows of the flattened pool
-        kv_all = cache.view(-1, seq_plus_one, dim).index_select(0, rows).to(x.dtype)  # [B, S+1, r + dr]
+        if isinstance(layer, int):
+            kv_all = cache[layer].index_select(0, slot_ids)  # [B, S+1, r + dr]
+        else:  # a 0-d tensor: rows of the pool flattened over (layer, slot)
+            kv_all = cache.flatten(0, 1).index_select(0, layer * cache.shape[1] + slot_ids)  # [B, S+1, r + dr]
+        kv_all = kv_all.to(x.dtype)
         c_all, pe_all = torch.split(kv_all, [self.kv_lora_rank, self.rope_dim], dim=-1)  # [B, S+1, r], [B, S+1, dr]
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = torch.split(w_kv, [self.nope_dim, self.v_dim], dim=1)  # [h, dn, r], [h, dv, r]

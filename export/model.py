@@ -163,28 +163,29 @@ class DeepseekV3MTP(nn.Module):
 
     def run_layer(
         self,
-        mtp: MTPLayer,
+        block: MTPLayer,
         cache_layer: int | torch.Tensor,
         token_ids: torch.Tensor,
         hidden: torch.Tensor,
         positions: torch.Tensor,
         slot_ids: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`mtp` (one of this model's layers) over its pool layer `cache_layer` -> (logits float32, hidden_out)."""
+        """`block` (one of this model's layers) over its pool layer `cache_layer` -> (logits float32, hidden_out)."""
         embed = self.embed_tokens(token_ids)  # [B, T, H]
-        x = mtp.eh_proj(torch.cat([mtp.enorm(embed), mtp.hnorm(hidden.to(embed.dtype))], dim=-1))  # [B, T, H]
+        x = block.eh_proj(torch.cat([block.enorm(embed), block.hnorm(hidden.to(embed.dtype))], dim=-1))  # [B, T, H]
         cos, sin = self.rotary(positions.clamp(min=0), x.dtype)  # [B, T, rope_dim] each
-        x = mtp(x, cos, sin, positions, slot_ids, self.kv_cache, cache_layer)  # [B, T, H]
-        hidden_out = mtp.shared_head.norm(x)  # [B, T, H]
+        x = block(x, cos, sin, positions, slot_ids, self.kv_cache, cache_layer)  # [B, T, H]
+        hidden_out = block.shared_head.norm(x)  # [B, T, H]
         return self.head(hidden_out).float(), hidden_out
 
     def layer_step(self, layer: int) -> "MTPLayerStep":
-        """A module whose forward(token_ids, hidden, positions, slot_ids) runs MTP layer `layer`."""
+        """A module whose forward(token_ids, hidden, positions, slot_ids) runs MTP layer `layer` (0 <= layer <
+        num_nextn_predict_layers)."""
         return MTPLayerStep(self, layer)
 
 
 class MTPLayerStep(nn.Module):
-    """One fixed MTP layer of a `DeepseekV3MTP` (for one exported graph per layer).
+    """One fixed MTP layer of a `DeepseekV3MTP` (one exported artifact per layer; one compiled graph for all).
 
     The layer's module and its pool layer (a 0-d tensor) are what differ between the steps of two layers, so
     `torch.compile` traces one graph for all of them (module parameters and buffers are the graph's inputs):

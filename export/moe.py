@@ -211,14 +211,14 @@ class MoE(nn.Module):
         if kernels:
             picked = routed_experts(flat, self.w13, self.w2, top_w, top_idx, S, self.kernel_tokens())  # [N, K+S, H]
         else:
-            picked = grouped_experts(flat, self.w13, self.w2, top_w, top_idx, S)  # [N, K+S, H]
+            picked = grouped_gemm_experts(flat, self.w13, self.w2, top_w, top_idx, S)  # [N, K+S, H]
         # The sum over the picks outside the op, where the compiled step fuses it with the cast and the residual
         # add; deterministic, unlike atomic index_add.
         return picked.sum(1)  # [N, H]
 
 
-def grouped_experts(flat: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_w: torch.Tensor,
-                    top_idx: torch.Tensor, shared: int) -> torch.Tensor:
+def grouped_gemm_experts(flat: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_w: torch.Tensor,
+                         top_idx: torch.Tensor, shared: int) -> torch.Tensor:
     """The grouped GEMMs: flat[N, H] through experts w13[E + S, 2I, H], w2[E + S, H, I] at picks top_idx[N, K]
     (local ids) weighted top_w[N, K], plus the last `shared` (S) experts at weight 1 -> each pick's weighted
     output [N, K + S, H] float32, in (token, pick) order."""
@@ -248,10 +248,10 @@ def grouped_experts(flat: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
 @torch.library.custom_op("triton_mtp::routed_experts", mutates_args=())
 def routed_experts(flat: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_w: torch.Tensor,
                    top_idx: torch.Tensor, shared: int, kernel_tokens: int) -> torch.Tensor:
-    """`grouped_experts`, through export/fused_moe.py's kernels for calls of at most `kernel_tokens` tokens."""
+    """`grouped_gemm_experts`, through export/fused_moe.py's kernels for calls of at most `kernel_tokens` tokens."""
     if flat.shape[0] <= kernel_tokens:
         return fused_moe.fused_experts(flat, w13, w2, top_w, top_idx, shared)  # [N, K+S, H]
-    return grouped_experts(flat, w13, w2, top_w, top_idx, shared)  # [N, K+S, H]
+    return grouped_gemm_experts(flat, w13, w2, top_w, top_idx, shared)  # [N, K+S, H]
 
 
 @routed_experts.register_fake

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from test_moe import assert_unpicked_experts_unread, needs_grouped_mm, random_moe, sharded_sum
-from triton_mtp.export import fused_moe
+from triton_mtp.export import fused_moe, moe as moe_module
 
 pytest.importorskip("triton")
 
@@ -137,6 +137,20 @@ def test_grouping_loads_the_kernels_which_run_only_on_cuda(monkeypatch):
     moe.group_experts()
     assert fused_moe.KERNELS is not None
     assert not fused_moe.runs_on(torch.device("cpu")) and fused_moe.runs_on(torch.device("cuda"))
+
+
+@pytest.mark.parametrize("tokens", [2, 5])  # within and past a bound of 3 tokens
+def test_the_dispatch_op_passes_opcheck(kernels, tokens):
+    """`moe.routed_experts` against torch.library's checks (schema, fake tensor, dispatch under dynamic shapes) on
+    both of its paths; the calls within the bound take the kernels."""
+    needs_grouped_mm(torch.float32)
+    moe = random_moe(torch.float32)
+    moe.group_experts()
+    flat = torch.randn(tokens, moe.w13.shape[2])  # [N, H]
+    with torch.no_grad():  # an inference op: no autograd formula
+        top_w, top_idx = moe.gate.route(flat)  # [N, K] each
+    torch.library.opcheck(moe_module.routed_experts, (flat, moe.w13, moe.w2, top_w, top_idx, moe.shared_in_stack, 3))
+    assert bool(kernels) == (tokens <= 3)
 
 
 def test_a_compiled_moe_does_not_guard_on_its_tokens(monkeypatch):
