@@ -56,7 +56,11 @@ def save(
 # op. Over a few layers that drift tips near-tie expert picks, so a compiled target missed the export's
 # parity check on the H200 (max relative error 0.21 in bf16, 7e-7 in fp32). Emulating eager's casts
 # makes the compiled steps match eager bit for bit there (bench/results/h200-2026-12-04-compile-bisect).
-COMPILE_OPTIONS = {"emulate_precision_casts": True}
+# On CUDA, inductor's matmul padding (pad_mm) asks whether each GEMM is compute-bound, which guards on the token
+# count (2-3, 4-15, under 68 tokens, ...): the shapes the decode graphs capture then compiled 3 target variants and
+# 1 MTP variant past the warm-up's, which the shipped cache did not hold (bench/results/h100-2026-12-07-run37-*,
+# `warm_up/`). Decode GEMMs are memory-bound, where padding does not help.
+COMPILE_OPTIONS = {"emulate_precision_casts": True, "shape_padding": False}
 
 
 # Compiled variants of one step's code (dynamo's recompile_limit, 8 by default). Past the limit dynamo runs the
