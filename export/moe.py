@@ -242,9 +242,10 @@ def grouped_gemm_experts(flat: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 
 
 # One opaque op for the dispatch where the kernels run: a compiled step (dynamic shapes) would otherwise guard
-# on `tokens <= kernel_tokens` and compile each size class twice, once on each side of the bound, which made
-# the served model's load compile more variants (bench/load_time.py). Each CUDA graph still replays one path:
-# its tokens are fixed at capture.
+# on `tokens <= kernel_tokens` and compile each size class twice, once on each side of the bound, variants the
+# export's shipped cache did not hold (bench/warm_up.py). Each CUDA graph still replays one path: its tokens are
+# fixed at capture. The price: past the bound the grouped GEMMs run eagerly here, 8% more a V2-Lite layer at 16
+# and 64 tokens than compiled with the step (docs/benchmarks.md, run 37).
 @torch.library.custom_op("triton_mtp::routed_experts", mutates_args=())
 def routed_experts(flat: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_w: torch.Tensor,
                    top_idx: torch.Tensor, shared: int, kernel_tokens: int) -> torch.Tensor:
