@@ -21,11 +21,10 @@ from bench.common import environment, write_result
 
 def served_shapes(max_batch: int, width: int, prefill_tokens: int) -> list[tuple[int, int]]:
     """(batch, tokens) of every graph a step with decode calls of `width` tokens captures."""
-    from triton_mtp.serving.graphs import batch_buckets, prefill_widths
+    from triton_mtp.serving.graphs import batch_buckets, prompt_buckets
 
-    buckets = batch_buckets(max_batch)
-    prompts = [(b, w) for w in prefill_widths(width, prefill_tokens) for b in buckets if b * w <= prefill_tokens]
-    return [(b, t) for b in buckets for t in sorted({1, width})] + prompts
+    prompts = [(b, w) for w, buckets in prompt_buckets(max_batch, width, prefill_tokens).items() for b in buckets]
+    return [(b, t) for b in batch_buckets(max_batch) for t in sorted({1, width})] + prompts
 
 
 def main() -> int:
@@ -64,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
                                           progress=False, moe=moe)
     steps = [("target", EagerGraph(target, target, True))]
     if mtp is not None:
-        steps += [(f"mtp_{k}", EagerGraph(mtp, mtp.layer_step(k), True)) for k in range(config.num_nextn_predict_layers)]
+        layers = config.num_nextn_predict_layers
+        steps += [(f"mtp_{k}", EagerGraph(mtp, mtp.layer_step(k), True)) for k in range(layers)]
     result = {"checkpoint": args.checkpoint, "device": args.device, "dtype": args.dtype, "moe": moe, "steps": {},
               "environment": environment()}
     for name, graph in steps:
@@ -76,20 +76,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name}: warm-up {result['steps'][name]['warm_up_s']:.1f} s, "
               f"{result['steps'][name]['warm_up_variants']} compiled variants", flush=True)
     if args.served_shapes:
-        widths = {"target": target_width(args.max_draft_tokens)}
         for name, graph in steps:
-            is_mtp = name != "target"
-            width = mtp_width(args.max_draft_tokens, config.num_nextn_predict_layers) if is_mtp else widths["target"]
-            shapes = served_shapes(args.max_batch, width, 0 if is_mtp else args.prefill_tokens)
+            if name == "target":
+                shapes = served_shapes(args.max_batch, target_width(args.max_draft_tokens), args.prefill_tokens)
+            else:  # the MTP captures no prompt graphs
+                width = mtp_width(args.max_draft_tokens, config.num_nextn_predict_layers)
+                shapes = served_shapes(args.max_batch, width, 0)
             before = counters["stats"]["unique_graphs"]
             start = time.perf_counter()
             for B, T in shapes:
-                inputs = [torch.zeros(B, T, dtype=torch.long, device=device),  # token ids [B, T]
-                          torch.full((B, T), -1, device=device),  # positions [B, T], all padding
-                          torch.zeros(B, dtype=torch.long, device=device)]  # slot ids [B]
-                if is_mtp:
-                    inputs.insert(1, torch.zeros(B, T, config.hidden_size, dtype=dtype, device=device))  # hidden
-                graph(*inputs)
+                graph.call_padding(B, T, device)
             result["steps"][name].update(served_shapes=len(shapes), served_s=time.perf_counter() - start,
                                          served_variants=counters["stats"]["unique_graphs"] - before)
             print(f"{name}: {len(shapes)} served shapes, {result['steps'][name]['served_variants']} more variants "

@@ -358,6 +358,12 @@ def prefill_widths(width: int, prefill_tokens: int) -> list[int]:
     return [w for w in (1 << i for i in range(4, max(prefill_tokens, 1).bit_length())) if width < w <= prefill_tokens]
 
 
+def prompt_buckets(max_batch: int, width: int, prefill_tokens: int) -> dict[int, list[int]]:
+    """The batch buckets each prompt family (`prefill_widths`) captures: those of at most `prefill_tokens` tokens."""
+    buckets = batch_buckets(max_batch)
+    return {w: [b for b in buckets if b * w <= prefill_tokens] for w in prefill_widths(width, prefill_tokens)}
+
+
 class _GraphedWindow(_GraphedStep):
     """A window step of the target (`workers.WindowStep`) with graphs by family: `place` puts a call's inputs where
     the graph it replays reads them."""
@@ -403,8 +409,8 @@ class GraphedTarget(_GraphedWindow):
         if prefill_tokens < 0:
             raise ValueError(f"prefill_graph_tokens: must be >= 0, got {prefill_tokens}")
         self.prefill_tokens = prefill_tokens
-        self.prefill = prefill_widths(width, prefill_tokens)
-        self._prompt_buckets = {w: [b for b in batch_buckets(max_batch) if b * w <= prefill_tokens] for w in self.prefill}
+        self._prompt_buckets = prompt_buckets(max_batch, width, prefill_tokens)
+        self.prefill = list(self._prompt_buckets)
         super().__init__(window, max_batch, width, device, sorted({1, width, *self.prefill}, reverse=True), None,
                          graph)  # widest first
 

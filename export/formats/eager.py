@@ -117,16 +117,20 @@ class EagerGraph:
             return self.step(*inputs)
 
     def _warm_up(self, device: torch.device) -> None:
-        config = self.module.config
         for B, T in WARM_UP_SHAPES:
-            token_ids = torch.zeros(B, T, dtype=torch.long, device=device)  # [B, T]
-            positions = torch.full((B, T), -1, device=device)  # [B, T], all padding
-            slot_ids = torch.zeros(B, dtype=torch.long, device=device)  # [B]
-            if isinstance(self.module, DeepseekV3MTP):
-                hidden = torch.zeros(B, T, config.hidden_size, dtype=self.module.embed_tokens.weight.dtype, device=device)
-                self(token_ids, hidden, positions, slot_ids)
-            else:
-                self(token_ids, positions, slot_ids)
+            self.call_padding(B, T, device)
+
+    def call_padding(self, B: int, T: int, device: torch.device) -> None:
+        """One call of B rows of T padding tokens (position -1: only the scratch position is written)."""
+        token_ids = torch.zeros(B, T, dtype=torch.long, device=device)  # [B, T]
+        positions = torch.full((B, T), -1, device=device)  # [B, T], all padding
+        slot_ids = torch.zeros(B, dtype=torch.long, device=device)  # [B]
+        if isinstance(self.module, DeepseekV3MTP):
+            hidden = torch.zeros(B, T, self.module.config.hidden_size, dtype=self.module.embed_tokens.weight.dtype,
+                                 device=device)  # [B, T, H]
+            self(token_ids, hidden, positions, slot_ids)
+        else:
+            self(token_ids, positions, slot_ids)
 
 
 def load(
