@@ -1,7 +1,9 @@
-"""The two Triton kernels of export/fused_moe.py, a module of their own: imported only where Triton is.
+"""The decode path's Triton kernels (export/fused_moe.py's and export/linear.py's), a module of their own:
+imported only where Triton is.
 
-One program computes BLOCK_N outputs of one (token, pick) pair: w[expert, rows, :] @ v over K in
-BLOCK_K columns at a time, accumulated in float32. The grid is (pairs, ceil(N / BLOCK_N)).
+In the expert kernels one program computes BLOCK_N outputs of one (token, pick) pair: w[expert, rows, :] @ v
+over K in BLOCK_K columns at a time, accumulated in float32. The grid is (pairs, ceil(N / BLOCK_N)). In
+`linear` one program computes BLOCK_N outputs of every token of the call.
 """
 
 import triton
@@ -105,3 +107,20 @@ def route(logits_ptr, bias_ptr, weight_ptr, expert_ptr, scaling,
         top_w = top_w / (tl.sum(top_w, axis=0) + 1e-20)
     tl.store(weight_ptr + token * TOP_K + k, top_w * scaling, mask=k < TOP_K)
     tl.store(expert_ptr + token * TOP_K + k, top_idx, mask=k < TOP_K)
+
+
+
+@triton.jit
+def linear(x_ptr, w_ptr, out_ptr, T, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[T, N] = x[T, K] @ w[N, K]^T, accumulated in float32. The grid is ceil(N / BLOCK_N); a program reads
+    its rows of w for the first token and again, just read (from the L2 cache), for each token after it."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    for token in range(T):
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+            x = tl.load(x_ptr + token * K + cols, mask=cols < K, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + rows[:, None] * K + cols[None, :],
+                        mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0).to(tl.float32)
+            acc += tl.sum(w * x[None, :], axis=1)
+        tl.store(out_ptr + token * N + rows, acc.to(out_ptr.dtype.element_ty), mask=rows < N)

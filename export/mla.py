@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from triton_mtp.export.config import ModelConfig
+from triton_mtp.export.linear import Linear
 from triton_mtp.export.rope import apply_rotary, softmax_scale
 
 
@@ -42,15 +43,15 @@ class MLAttention(nn.Module):
         q_out = self.num_heads * config.qk_head_dim
         self.q_lora = config.q_lora_rank is not None
         if self.q_lora:
-            self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
+            self.q_a_proj = Linear(config.hidden_size, config.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank)
-            self.q_b_proj = nn.Linear(config.q_lora_rank, q_out, bias=False)
+            self.q_b_proj = Linear(config.q_lora_rank, q_out, bias=False)
         else:
-            self.q_proj = nn.Linear(config.hidden_size, q_out, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(config.hidden_size, config.cache_dim, bias=False)
+            self.q_proj = Linear(config.hidden_size, q_out, bias=False)
+        self.kv_a_proj_with_mqa = Linear(config.hidden_size, config.cache_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank)
-        self.kv_b_proj = nn.Linear(config.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.v_dim, config.hidden_size, bias=False)
+        self.kv_b_proj = Linear(config.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = Linear(self.num_heads * self.v_dim, config.hidden_size, bias=False)
 
     def forward(
         self,

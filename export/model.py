@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from triton_mtp.export.config import ModelConfig
+from triton_mtp.export.linear import Linear
 from triton_mtp.export.mla import MLAttention, RMSNorm
 from triton_mtp.export.moe import MLP, MoE
 from triton_mtp.export.rope import RotaryEmbedding
@@ -63,7 +64,7 @@ class DeepseekV3Target(nn.Module):
         super().__init__()
         self.config, self.max_slots, self.max_seq_len = config, max_slots, max_seq_len
         self.model = _Backbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(config)
@@ -101,7 +102,7 @@ class MTPLayer(DecoderLayer):
         super().__init__(config, layer_idx)
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size, bias=False)
         self.shared_head = _SharedHead(config)
 
 

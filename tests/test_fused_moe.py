@@ -110,7 +110,9 @@ def test_more_picks_than_experts_take_the_grouped_gemms_unless_their_bytes_are_f
     moe, plain = grouped_pair(torch.float32)
     x = torch.randn(4, 64)  # [N, H]: 4 × (2 routed + 1 shared) = 12 picks of 9 experts of 24 KiB each
     monkeypatch.setattr(fused_moe, "REREAD_BYTES", 12 * 24 * 1024 - 1)
-    assert torch.equal(moe(x), plain(x)) and kernels == []
+    # Not bit for bit: the routing kernel's sigmoid (the interpreter's numpy) and torch's may differ in the last
+    # bit, by host CPU.
+    assert torch.allclose(moe(x), plain(x), atol=1e-5, rtol=1e-5) and kernels == []
     monkeypatch.setattr(fused_moe, "REREAD_BYTES", 12 * 24 * 1024)
     assert torch.allclose(moe(x), plain(x), atol=1e-5, rtol=1e-5) and kernels == [(4, 2, 1)]
 
