@@ -32,6 +32,18 @@ from triton_mtp.serving.server import TritonServer, free_ports  # noqa: E402
 SERVER_READY_TIMEOUT_S = 300.0
 
 
+@pytest.fixture
+def decode_kernels(monkeypatch: pytest.MonkeyPatch):
+    """export/fused_moe_kernels.py (made under the interpreter) taken on the CPU, as where Triton runs on CUDA: the
+    MoE's, the linear layers' and the latent attention's decode paths."""
+    pytest.importorskip("triton")
+    from triton_mtp.export import fused_moe, fused_moe_kernels
+
+    monkeypatch.setattr(fused_moe, "KERNELS", fused_moe_kernels)
+    monkeypatch.setattr(fused_moe, "runs_on", lambda device: True)
+    return fused_moe_kernels
+
+
 @pytest.fixture(scope="session")
 def triton_server_for(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., TritonServer]]:
     servers: dict[Path, TritonServer] = {}

@@ -16,13 +16,9 @@ pytest.importorskip("triton")
 
 
 @pytest.fixture
-def kernels(monkeypatch):
-    """The kernels (made under the interpreter: tests/conftest.py) taken on the CPU; records each call that
-    takes them as (tokens, routed picks, shared experts)."""
-    from triton_mtp.export import fused_moe_kernels
-
-    monkeypatch.setattr(fused_moe, "KERNELS", fused_moe_kernels)
-    monkeypatch.setattr(fused_moe, "runs_on", lambda device: True)
+def kernels(decode_kernels, monkeypatch):
+    """The kernels taken on the CPU (tests/conftest.py); records each call that takes the expert kernels as
+    (tokens, routed picks, shared experts)."""
     calls = []
     fused = fused_moe.fused_experts
     monkeypatch.setattr(fused_moe, "fused_experts",

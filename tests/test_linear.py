@@ -8,27 +8,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from triton_mtp.export import fused_moe, linear
+from triton_mtp.export import linear
 
 pytest.importorskip("triton")
 
 
 @pytest.fixture
-def kernels(monkeypatch):
-    """The kernel (made under the interpreter: tests/conftest.py) taken on the CPU; records the tokens of each
-    call that takes it."""
-    from triton_mtp.export import fused_moe_kernels
-
-    monkeypatch.setattr(fused_moe, "KERNELS", fused_moe_kernels)
-    monkeypatch.setattr(fused_moe, "runs_on", lambda device: True)
+def kernels(decode_kernels, monkeypatch):
+    """The kernel taken on the CPU; records the tokens of each call that takes it."""
     calls = []
-    launch = fused_moe_kernels.linear
+    launch = decode_kernels.linear
 
     class Recorded:
         def __getitem__(self, grid):
             return lambda x, *args, **kwargs: calls.append(x.shape[0]) or launch[grid](x, *args, **kwargs)
 
-    monkeypatch.setattr(fused_moe_kernels, "linear", Recorded())
+    monkeypatch.setattr(decode_kernels, "linear", Recorded())
     return calls
 
 
