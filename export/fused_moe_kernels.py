@@ -170,21 +170,23 @@ def latent_attention_chunk(q_ptr, qpe_ptr, cache_ptr, rows_ptr, positions_ptr, m
 
 
 @triton.jit
-def latent_attention_combine(m_ptr, l_ptr, acc_ptr, positions_ptr, out_ptr, heads, chunks,
-                             R: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+def latent_attention_combine(m_ptr, l_ptr, acc_ptr, positions_ptr, out_ptr, heads, chunks, R: tl.constexpr,
+                             CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, STEP_C: tl.constexpr, BLOCK_R: tl.constexpr):
     """The softmax-weighted latents of a query from its chunks' (m, l, acc) of `latent_attention_chunk` (only the
-    chunks its position reaches), one query a program: out[N·h, R] in out's dtype."""
+    chunks its position reaches, STEP_C at a time), one query a program: out[N·h, R] in out's dtype."""
     query = tl.program_id(0)
     position = tl.maximum(tl.load(positions_ptr + query // heads), 0)
     used = position // CHUNK + 1  # chunks that saw a position
     c = tl.arange(0, BLOCK_C)  # [BLOCK_C]
-    m = tl.load(m_ptr + query * chunks + c, mask=c < used, other=float("-inf"))
-    top = tl.max(m, axis=0)
+    top = tl.max(tl.load(m_ptr + query * chunks + c, mask=c < used, other=float("-inf")), axis=0)
     r = tl.arange(0, BLOCK_R)  # [BLOCK_R]
     total = tl.zeros([], dtype=tl.float32)
     out = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for i in range(0, used):
-        w = tl.exp(tl.load(m_ptr + query * chunks + i) - top)
-        total += w * tl.load(l_ptr + query * chunks + i)
-        out += w * tl.load(acc_ptr + (query * chunks + i) * R + r, mask=r < R, other=0.0)
+    for c0 in range(0, used, STEP_C):
+        i = c0 + tl.arange(0, STEP_C)  # [STEP_C]
+        w = tl.exp(tl.load(m_ptr + query * chunks + i, mask=i < used, other=float("-inf")) - top)  # [STEP_C]
+        total += tl.sum(w * tl.load(l_ptr + query * chunks + i, mask=i < used, other=0.0), axis=0)
+        acc = tl.load(acc_ptr + (query * chunks + i[:, None]) * R + r[None, :],
+                      mask=(i[:, None] < used) & (r[None, :] < R), other=0.0)  # [STEP_C, BLOCK_R]
+        out += tl.sum(acc * w[:, None], axis=0)
     tl.store(out_ptr + query * R + r, (out / total).to(out_ptr.dtype.element_ty), mask=r < R)

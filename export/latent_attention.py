@@ -23,10 +23,11 @@ import torch
 from triton_mtp.export import fused_moe
 
 # Tokens of one call through the kernels (their partial results are tokens × heads × chunks × r floats);
-# positions a program reads, and at a time.
+# positions a program reads, and at a time; chunks the combining program weights at a time.
 MAX_TOKENS = 16
-CHUNK = 128
+CHUNK = 64
 BLOCK_S = 16
+STEP_C = 8
 
 
 def attend(q_latent: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
@@ -68,7 +69,7 @@ def latent_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Te
     out = torch.empty(B, T, heads, r, dtype=q_latent.dtype, device=cache.device)  # [B, T, h, r]
     kernels.latent_attention_combine[(queries,)](
         m, l, acc, positions, out, heads, chunks, R=r, CHUNK=CHUNK, BLOCK_C=kernels.next_power_of_2(chunks),
-        BLOCK_R=kernels.next_power_of_2(r))
+        STEP_C=STEP_C, BLOCK_R=kernels.next_power_of_2(r))
     return out
 
 

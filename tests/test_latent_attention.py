@@ -16,9 +16,11 @@ L, S, SEQ, R, DR, HEADS = 2, 3, 41, 32, 8, 4  # layers, slots, positions (the la
 
 @pytest.fixture
 def chunks(decode_kernels, monkeypatch):
-    """Chunks of 16 positions read 4 at a time: the pool's 41 positions are three chunks, the last one partial."""
+    """Chunks of 16 positions read 4 at a time: the pool's 41 positions are three chunks, the last one partial,
+    combined 2 at a time."""
     monkeypatch.setattr(attention, "CHUNK", 16)
     monkeypatch.setattr(attention, "BLOCK_S", 4)
+    monkeypatch.setattr(attention, "STEP_C", 2)
 
 
 def call(dtype: torch.dtype, B: int, T: int, seed: int = 0):
