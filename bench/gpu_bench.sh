@@ -51,6 +51,9 @@
 #   fused_moe   (on a GPU, only when BENCH_ONLY names it) bench/fused_moe.py: one grouped MoE layer at decode sizes,
 #               the grouped GEMMs against export/fused_moe.py's kernels (BENCH_FUSED_MOE_ARGS: more arguments):
 #               $OUT/fused_moe.json
+#   decode_kernels  (on a GPU, only when BENCH_ONLY names it) bench/decode_kernels.py: export/linear.py's and
+#               export/latent_attention.py's kernels against cuBLAS and the compiled eager attention, per shape and
+#               configuration: $OUT/decode_kernels.json
 #   standalone  bench/standalone.py: the same checkpoint in one process, steps as captured CUDA graphs,
 #               with and without speculation
 #   hf_generate bench/hf_generate.py: transformers generate(do_sample=False), the same checkpoint
@@ -350,6 +353,9 @@ if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" graph_time "* ]]; then  
     stage graph_time "${BENCH_GRAPH_TIME_S:-150}" python -m bench.graph_time --checkpoint "$checkpoint" \
         --max-draft "$max_draft" --max-seq-len "$max_seq_len" --batch "${BENCH_GRAPH_BATCH:-1,32}" --builds served \
         --out "$OUT/graph_time.json"
+fi
+if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" decode_kernels "* ]]; then  # on request
+    stage decode_kernels "${BENCH_DECODE_KERNELS_S:-200}" python -m bench.decode_kernels --out "$OUT/decode_kernels.json"
 fi
 if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" fused_moe "* ]]; then  # on request
     stage fused_moe "${BENCH_FUSED_MOE_S:-120}" python -m bench.fused_moe --out "$OUT/fused_moe.json" \

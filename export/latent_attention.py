@@ -28,6 +28,7 @@ MAX_TOKENS = 16
 CHUNK = 64
 BLOCK_S = 16
 STEP_C = 8
+NUM_WARPS = 4
 
 
 def attend(q_latent: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
@@ -56,7 +57,7 @@ def latent_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Te
     (B, T, heads, r), dr, seq = q_latent.shape, q_pe.shape[-1], cache.shape[2]
     pool = cache.flatten(0, 1)  # [L·S, seq, r + dr]
     if B * T > MAX_TOKENS or B * T == 0:
-        return attend(q_latent, q_pe, pool.index_select(0, rows), positions, scale)
+        return attend(q_latent, q_pe, pool.index_select(0, rows), positions, scale).contiguous()
     kernels, queries, chunks = fused_moe.KERNELS, B * T * heads, (seq + CHUNK - 1) // CHUNK
     m = torch.empty(queries, chunks, dtype=torch.float32, device=cache.device)  # [N·h, chunks]
     l = torch.empty_like(m)  # [N·h, chunks]
@@ -65,7 +66,7 @@ def latent_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Te
     kernels.latent_attention_chunk[(queries, chunks)](
         q_latent.contiguous(), q_pe.contiguous(), pool, rows.contiguous(), positions, m, l, acc, T, heads, seq,
         chunks, scale, R=r, DR=dr, CHUNK=CHUNK, BLOCK_S=BLOCK_S, BLOCK_R=kernels.next_power_of_2(r),
-        BLOCK_DR=kernels.next_power_of_2(dr))
+        BLOCK_DR=kernels.next_power_of_2(dr), num_warps=NUM_WARPS)
     out = torch.empty(B, T, heads, r, dtype=q_latent.dtype, device=cache.device)  # [B, T, h, r]
     kernels.latent_attention_combine[(queries,)](
         m, l, acc, positions, out, heads, chunks, R=r, CHUNK=CHUNK, BLOCK_C=kernels.next_power_of_2(chunks),
@@ -76,4 +77,4 @@ def latent_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Te
 @latent_attention.register_fake
 def _(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
       scale: float) -> torch.Tensor:
-    return torch.empty_like(q_latent)  # [B, T, h, r]
+    return q_latent.new_empty(q_latent.shape)  # [B, T, h, r], contiguous as the op's result

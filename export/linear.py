@@ -21,6 +21,7 @@ from triton_mtp.export import fused_moe
 MAX_TOKENS = 8
 BLOCK_N = 16
 BLOCK_K = 128
+NUM_WARPS = 4
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -49,7 +50,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
     out = torch.empty(T, N, dtype=x.dtype, device=x.device)  # [T, N]
     fused_moe.KERNELS.linear[((N + BLOCK_N - 1) // BLOCK_N,)](
-        flat.contiguous(), weight.contiguous(), out, T, N, K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        flat.contiguous(), weight.contiguous(), out, T, N, K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
     return out.view(*x.shape[:-1], N)
 
 
