@@ -51,9 +51,8 @@
 #   fused_moe   (on a GPU, only when BENCH_ONLY names it) bench/fused_moe.py: one grouped MoE layer at decode sizes,
 #               the grouped GEMMs against export/fused_moe.py's kernels (BENCH_FUSED_MOE_ARGS: more arguments):
 #               $OUT/fused_moe.json
-#   decode_kernels  (on a GPU, only when BENCH_ONLY names it) bench/decode_kernels.py: export/linear.py's and
-#               export/latent_attention.py's kernels against cuBLAS and the compiled eager attention, per shape and
-#               configuration: $OUT/decode_kernels.json
+#   decode_kernels  (on a GPU, only when BENCH_ONLY names it) bench/decode_kernels.py: export/linear.py's kernel
+#               against cuBLAS per linear shape and configuration: $OUT/decode_kernels.json
 #   standalone  bench/standalone.py: the same checkpoint in one process, steps as captured CUDA graphs,
 #               with and without speculation
 #   hf_generate bench/hf_generate.py: transformers generate(do_sample=False), the same checkpoint

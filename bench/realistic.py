@@ -8,8 +8,8 @@ with the dense MoE (every expert on every token), then with the grouped MoE the 
 GPUs (`export.moe`, `MoE.group_experts`: only the selected experts' weights are read) through its
 grouped GEMMs ("selected") and through the decode kernels of export/fused_moe.py ("fused"; "fused-apart"
 keeps the shared experts as their own MLP instead of folding them into the kernels' picks; "fused-cublas" runs
-the linear layers through cuBLAS and the attention eagerly instead of through export/linear.py's and
-export/latent_attention.py's decode kernels, which every other grouped variant takes where Triton runs). Where
+every linear layer through cuBLAS instead of the small ones through export/linear.py's decode kernel, which
+every other grouped variant takes where Triton runs). Where
 grouped_mm does not run natively for the device and dtype, the grouped variants are left out.
 `--profile FILE` writes the kernel table (torch.profiler) of one timed step of the last variant (compiled and
 replayed as timed, so the table shows where the step's device time goes beyond the floor) and records the
@@ -36,7 +36,6 @@ from .common import environment, step_time, synchronize, write_result
 from .graphs import place_rope, wrap_step
 from triton_mtp.export.config import ModelConfig
 from triton_mtp.export.linear import Linear
-from triton_mtp.export.mla import MLAttention
 from triton_mtp.export.model import DeepseekV3Target
 from triton_mtp.export.moe import MoE, group_experts, grouped_mm_works
 from triton_mtp.export.rope import RotaryEmbedding
@@ -148,7 +147,7 @@ def run(args: argparse.Namespace) -> dict:
                         module.unfold_shared_experts()
                     else:
                         module.fold_shared_experts()
-                elif isinstance(module, (Linear, MLAttention)):
+                elif isinstance(module, Linear):
                     module.decode_kernel = name != "fused-cublas"
         with torch.no_grad():
             eager_s = step_time(target, inputs, device, max(2, args.repeats // 10))

@@ -3,7 +3,7 @@ imported only where Triton is.
 
 In the expert kernels one program computes BLOCK_N outputs of one (token, pick) pair: w[expert, rows, :] @ v
 over K in BLOCK_K columns at a time, accumulated in float32. The grid is (pairs, ceil(N / BLOCK_N)). In
-`linear` one program computes BLOCK_N outputs of every token of the call.
+`linear` one program computes BLOCK_N outputs of one token.
 """
 
 import triton
@@ -109,84 +109,15 @@ def route(logits_ptr, bias_ptr, weight_ptr, expert_ptr, scaling,
     tl.store(expert_ptr + token * TOP_K + k, top_idx, mask=k < TOP_K)
 
 
-
 @triton.jit
-def linear(x_ptr, w_ptr, out_ptr, T, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[T, N] = x[T, K] @ w[N, K]^T, accumulated in float32. The grid is ceil(N / BLOCK_N); a program reads
-    its rows of w for the first token and again, just read (from the L2 cache), for each token after it."""
+def linear(x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[N] = w[N, K] @ x[K] for one token, accumulated in float32. The grid is ceil(N / BLOCK_N)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    for token in range(T):
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
-            x = tl.load(x_ptr + token * K + cols, mask=cols < K, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + rows[:, None] * K + cols[None, :],
-                        mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0).to(tl.float32)
-            acc += tl.sum(w * x[None, :], axis=1)
-        tl.store(out_ptr + token * N + rows, acc.to(out_ptr.dtype.element_ty), mask=rows < N)
-
-
-@triton.jit
-def latent_attention_chunk(q_ptr, qpe_ptr, cache_ptr, rows_ptr, positions_ptr, m_ptr, l_ptr, acc_ptr, T, heads,
-                           seq, chunks, scale, R: tl.constexpr, DR: tl.constexpr, CHUNK: tl.constexpr,
-                           BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr):
-    """Absorbed MLA over CHUNK cache positions, one (query, chunk) a program, a query being (token, head):
-    q[N·h, R] (the latent query), qpe[N·h, DR] (the roped query), cache[rows, seq, R + DR], rows[B] (each row's
-    pool row), positions[N] (N = B·T tokens; a token sees the positions up to its own, at least 0) ->
-    m[N·h, chunks] (the largest score), l[N·h, chunks] (the sum of exp(score - m)), acc[N·h, chunks, R] (the
-    latents weighted by exp(score - m)), float32. Scores round where the eager step's bf16 ops do (each
-    product, their sum, the scaled sum)."""
-    query, chunk = tl.program_id(0), tl.program_id(1)
-    token = query // heads
-    position = tl.maximum(tl.load(positions_ptr + token), 0)
-    row = tl.load(rows_ptr + token // T)
-    dtype = q_ptr.dtype.element_ty
-    r = tl.arange(0, BLOCK_R)  # [BLOCK_R]
-    d = tl.arange(0, BLOCK_DR)  # [BLOCK_DR]
-    q = tl.load(q_ptr + query * R + r, mask=r < R, other=0.0).to(tl.float32)
-    qpe = tl.load(qpe_ptr + query * DR + d, mask=d < DR, other=0.0).to(tl.float32)
-    m = tl.zeros([], dtype=tl.float32) - 1e30  # below any score, finite: exp(m - m_next) needs no guard
-    l = tl.zeros([], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for s0 in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)  # [BLOCK_S]
-        visible = s <= position  # nothing past it is read
-        at = cache_ptr + (row * seq + s[:, None]) * (R + DR)  # [BLOCK_S, 1]
-        c = tl.load(at + r[None, :], mask=visible[:, None] & (r[None, :] < R), other=0.0).to(tl.float32)
-        pe = tl.load(at + R + d[None, :], mask=visible[:, None] & (d[None, :] < DR), other=0.0).to(tl.float32)
-        score = tl.sum(c * q[None, :], axis=1).to(dtype).to(tl.float32) \
-            + tl.sum(pe * qpe[None, :], axis=1).to(dtype).to(tl.float32)  # [BLOCK_S]
-        score = (score.to(dtype).to(tl.float32) * scale).to(dtype).to(tl.float32)
-        score = tl.where(visible, score, float("-inf"))
-        m_next = tl.maximum(m, tl.max(score, axis=0))
-        keep = tl.exp(m - m_next)
-        p = tl.exp(score - m_next)  # [BLOCK_S], 0 where not visible
-        l = l * keep + tl.sum(p, axis=0)
-        acc = acc * keep + tl.sum(p[:, None] * c, axis=0)
-        m = m_next
-    tl.store(m_ptr + query * chunks + chunk, m)
-    tl.store(l_ptr + query * chunks + chunk, l)
-    tl.store(acc_ptr + (query * chunks + chunk) * R + r, acc, mask=r < R)
-
-
-@triton.jit
-def latent_attention_combine(m_ptr, l_ptr, acc_ptr, positions_ptr, out_ptr, heads, chunks, R: tl.constexpr,
-                             CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, STEP_C: tl.constexpr, BLOCK_R: tl.constexpr):
-    """The softmax-weighted latents of a query from its chunks' (m, l, acc) of `latent_attention_chunk` (only the
-    chunks its position reaches, STEP_C at a time), one query a program: out[N·h, R] in out's dtype."""
-    query = tl.program_id(0)
-    position = tl.maximum(tl.load(positions_ptr + query // heads), 0)
-    used = position // CHUNK + 1  # chunks that saw a position
-    c = tl.arange(0, BLOCK_C)  # [BLOCK_C]
-    top = tl.max(tl.load(m_ptr + query * chunks + c, mask=c < used, other=float("-inf")), axis=0)
-    r = tl.arange(0, BLOCK_R)  # [BLOCK_R]
-    total = tl.zeros([], dtype=tl.float32)
-    out = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for c0 in range(0, used, STEP_C):
-        i = c0 + tl.arange(0, STEP_C)  # [STEP_C]
-        w = tl.exp(tl.load(m_ptr + query * chunks + i, mask=i < used, other=float("-inf")) - top)  # [STEP_C]
-        total += tl.sum(w * tl.load(l_ptr + query * chunks + i, mask=i < used, other=0.0), axis=0)
-        acc = tl.load(acc_ptr + (query * chunks + i[:, None]) * R + r[None, :],
-                      mask=(i[:, None] < used) & (r[None, :] < R), other=0.0)  # [STEP_C, BLOCK_R]
-        out += tl.sum(acc * w[:, None], axis=0)
-    tl.store(out_ptr + query * R + r, (out / total).to(out_ptr.dtype.element_ty), mask=r < R)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :],
+                    mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0).to(tl.float32)
+        acc += tl.sum(w * x[None, :], axis=1)
+    tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=rows < N)

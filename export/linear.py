@@ -1,12 +1,13 @@
-"""Linear layers whose decode calls run as one Triton kernel where it runs (CUDA).
+"""Linear layers whose one-token calls of small weights run as one Triton kernel where it runs (CUDA).
 
-A decode step multiplies a handful of tokens by each weight: matrix-vector products bound by reading the
-weight. cuBLAS runs them as GEMV or split-K kernels, the latter with a reduction kernel after: on the
-DeepSeek-V2-Lite-shaped step 139 GEMVs and 82 reductions took 1.03 ms for weights whose bytes take about
-0.4 ms (docs/benchmarks.md, run 37). `linear` (export/fused_moe_kernels.py) is one launch a call of up to MAX_TOKENS
-tokens: a program reads its rows of the weight for the first token, from the L2 cache for the others, and
-accumulates in float32 as cuBLAS does. Calls of more tokens (prompts, wide batches) stay with cuBLAS. A token's output does not depend on the other tokens of its call,
-so a verify window's rows equal one-token calls' rows.
+A decode step at batch 1 multiplies one token by each weight: matrix-vector products bound by reading the
+weight. For the projections of an attention layer (a few MB each) cuBLAS takes 5 to 6 µs a call on an H100, or
+a split-K kernel and its reduction, where the bytes take 1 to 4. `linear` (export/fused_moe_kernels.py) is one
+launch that reads each row block of the weight once, accumulating in float32 as cuBLAS does: 4.6 against 5.3 µs
+for DeepSeek-V2-Lite's q_proj, 3.8 against 5.7 for kv_a_proj_with_mqa, 1.5 against 2.4-2.5 for the bundled
+model's projections (bench/decode_kernels.py, docs/benchmarks.md run 38). It loses to cuBLAS for calls of
+several tokens (it reads the weight once per token) and for large weights (a dense MLP's 45 MB, the
+vocabulary head), which stay with cuBLAS.
 """
 
 from __future__ import annotations
@@ -17,41 +18,42 @@ from torch import nn
 
 from triton_mtp.export import fused_moe
 
-# Tokens of one call through the kernel; outputs and reduced columns one program handles.
-MAX_TOKENS = 8
-BLOCK_N = 16
+# The largest weight whose one-token calls take the kernel; outputs and reduced columns a program handles, and its
+# warps (the fastest configuration over the measured shapes, bench/decode_kernels.py).
+MAX_WEIGHT_BYTES = 16 * 2**20
+BLOCK_N = 8
 BLOCK_K = 128
-NUM_WARPS = 4
+NUM_WARPS = 8
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class Linear(nn.Linear):
-    """nn.Linear (the checkpoint's names and layout) whose bias-free half-precision calls on CUDA go through
-    `decode_linear`. `decode_kernel` False keeps every call on F.linear (bench/realistic.py compares them)."""
+    """nn.Linear (the checkpoint's names and layout) whose bias-free half-precision weights of at most
+    MAX_WEIGHT_BYTES go through `decode_linear` on CUDA. `decode_kernel` False keeps every call on F.linear
+    (bench/realistic.py compares them)."""
 
     decode_kernel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.decode_kernel and self.bias is None and x.dtype in KERNEL_DTYPES and fused_moe.runs_on(x.device):
+        if self.decode_kernel and self.bias is None and x.dtype in KERNEL_DTYPES and fused_moe.runs_on(x.device) \
+                and self.weight.numel() * self.weight.element_size() <= MAX_WEIGHT_BYTES:
             return decode_linear(x, self.weight)
         return F.linear(x, self.weight, self.bias)
 
 
-# One opaque op for the dispatch, as `moe.routed_experts`: a compiled step (dynamic shapes) would otherwise guard
-# on `tokens <= MAX_TOKENS` and compile each size class on both sides of it. cuBLAS is outside inductor's
-# fusions either way.
+# One opaque op for the dispatch, as `moe.routed_experts`: the compiled steps (dynamic shapes) see one call whatever
+# the tokens, and cuBLAS is outside inductor's fusions either way.
 @torch.library.custom_op("triton_mtp::decode_linear", mutates_args=())
 def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear(x [..., K], weight [N, K]) -> [..., N], through the kernel for calls of at most MAX_TOKENS tokens."""
-    flat = x.reshape(-1, x.shape[-1])  # [T, K]
-    (T, K), N = flat.shape, weight.shape[0]
-    if T > MAX_TOKENS or T == 0:
+    """F.linear(x [..., K], weight [N, K]) -> [..., N], through the kernel for a call of one token."""
+    K, N = x.shape[-1], weight.shape[0]
+    if x.numel() != K:
         return F.linear(x, weight)
-    out = torch.empty(T, N, dtype=x.dtype, device=x.device)  # [T, N]
+    out = x.new_empty(*x.shape[:-1], N)  # [..., N]
     fused_moe.KERNELS.linear[((N + BLOCK_N - 1) // BLOCK_N,)](
-        flat.contiguous(), weight.contiguous(), out, T, N, K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
-    return out.view(*x.shape[:-1], N)
+        x.contiguous(), weight.contiguous(), out, N, K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+    return out
 
 
 @decode_linear.register_fake

@@ -231,29 +231,6 @@ def test_mtp_incremental_decoding_equals_full_forward(mtp: DeepseekV3MTP) -> Non
 
 
 @torch.no_grad()
-def test_decode_kernels_keep_incremental_decoding_equal_to_full_forward(target: DeepseekV3Target, mtp: DeepseekV3MTP,
-                                                                       decode_kernels, monkeypatch) -> None:
-    """The schedule's calls attend through export/latent_attention.py's kernels (chunks of 8 positions: the pool's
-    25 are four), the target's layers by int, the MTP's by tensor; the full forwards through eager attention."""
-    from triton_mtp.export import fused_moe, latent_attention
-
-    monkeypatch.setattr(latent_attention, "CHUNK", 8)
-    monkeypatch.setattr(latent_attention, "BLOCK_S", 8)
-    tokens, hidden = sequences(6)
-    for step, pairs in ((target, None), (mtp.layer_step(1), hidden)):
-        step.reset_cache()
-        monkeypatch.setattr(fused_moe, "runs_on", lambda device: True)
-        seen = run_schedule(step, tokens, pairs)
-        monkeypatch.setattr(fused_moe, "runs_on", lambda device: False)
-        for slot, n in LENGTHS.items():
-            step.reset_cache()
-            args = (tokens[slot][None],) + (() if pairs is None else (pairs[slot][None],)) + (torch.arange(n)[None],)
-            full = step(*args, torch.tensor([1]))[0][0]  # [n, V]
-            incremental = torch.stack([seen[(slot, p)] for p in range(n)])  # [n, V]
-            assert rel_err(incremental, full) <= 1e-4
-
-
-@torch.no_grad()
 def test_compiled_mtp_layer_steps_share_one_graph_and_keep_their_own_pool_layer(mtp: DeepseekV3MTP) -> None:
     """The layer steps differ only in their module and pool-layer tensor, so `torch.compile` (dynamic shapes, as
     served) traces each size class once for every layer; each layer still computes its own outputs and writes only
