@@ -5,9 +5,9 @@ weight. For the projections of an attention layer (a few MB each) cuBLAS takes 5
 a split-K kernel and its reduction, where the bytes take 1 to 4. `linear` (export/fused_moe_kernels.py) is one
 launch that reads each row block of the weight once, accumulating in float32 as cuBLAS does: 4.6 against 5.3 µs
 for DeepSeek-V2-Lite's q_proj, 3.8 against 5.7 for kv_a_proj_with_mqa, 1.5 against 2.4-2.5 for the bundled
-model's projections (bench/decode_kernels.py, docs/benchmarks.md run 38). It loses to cuBLAS for calls of
-several tokens (it reads the weight once per token) and for large weights (a dense MLP's 45 MB, the
-vocabulary head), which stay with cuBLAS.
+model's projections (bench/decode_kernels.py, docs/benchmarks.md run 38). Calls of several tokens (it would
+read the weight once per token) and large weights stay with cuBLAS: the kernel only matched it on V2-Lite's
+420 MB head and lost on a dense MLP's 45 MB weights, too few programs to keep the reads in flight.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ SERVER_READY_TIMEOUT_S = 300.0
 @pytest.fixture
 def decode_kernels(monkeypatch: pytest.MonkeyPatch):
     """export/fused_moe_kernels.py (made under the interpreter) taken on the CPU, as where Triton runs on CUDA: the
-    MoE's, the linear layers' and the latent attention's decode paths."""
+    MoE's and the linear layers' decode paths."""
     pytest.importorskip("triton")
     from triton_mtp.export import fused_moe, fused_moe_kernels
 
