@@ -14,8 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from triton_mtp.export import fused_moe, linear
+from triton_mtp.serving.graphs import CapturedStep
 
 from .common import environment, write_result
+from .graph_time import replay_ms
 
 # (name, N, K): V2-Lite's projections, dense MLP and head; the bundled model's.
 LINEAR_SHAPES = [("v2-lite q_proj", 3072, 2048), ("v2-lite kv_a", 576, 2048), ("v2-lite o_proj", 2048, 2048),
@@ -25,27 +27,10 @@ LINEAR_SHAPES = [("v2-lite q_proj", 3072, 2048), ("v2-lite kv_a", 576, 2048), ("
 LINEAR_CONFIGS = list(itertools.product((4, 8, 16, 32), (64, 128, 256), (4, 8)))  # BLOCK_N, BLOCK_K, num_warps
 
 
-def graph_us(call, calls: int = 20, replays: int = 20) -> float:
-    """µs a call of `call()`, `calls` of them captured in one CUDA graph and replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (calls * replays)
+def graph_us(call, x: torch.Tensor, calls: int = 20, replays: int = 20) -> float:
+    """µs a call of `call(x)`: `calls` of them captured in one CUDA graph, whose replays are timed back to back."""
+    graph = CapturedStep(lambda x: tuple(call(x) for _ in range(calls)), [x])
+    return replay_ms(graph.replay, replays) * 1e3 / calls
 
 
 def bench_linear(device: torch.device) -> list[dict]:
@@ -53,13 +38,13 @@ def bench_linear(device: torch.device) -> list[dict]:
     for name, N, K in LINEAR_SHAPES:
         x = torch.randn(1, K, dtype=torch.bfloat16, device=device)  # [1, K]
         weight = torch.randn(N, K, dtype=torch.bfloat16, device=device) * 0.02  # [N, K]
-        row = {"shape": name, "N": N, "K": K, "cublas_us": graph_us(lambda: F.linear(x, weight))}
+        row = {"shape": name, "N": N, "K": K, "cublas_us": graph_us(lambda x: F.linear(x, weight), x)}
         expected = F.linear(x, weight).float()
         kernel = {}
         for block_n, block_k, warps in LINEAR_CONFIGS:
             linear.BLOCK_N, linear.BLOCK_K, linear.NUM_WARPS = block_n, block_k, warps
             error = (linear.decode_linear(x, weight).float() - expected).abs().max().item()
-            kernel[f"{block_n}x{block_k}/{warps}"] = {"us": graph_us(lambda: linear.decode_linear(x, weight)),
+            kernel[f"{block_n}x{block_k}/{warps}"] = {"us": graph_us(lambda x: linear.decode_linear(x, weight), x),
                                                      "max_abs_error": error}
         best = min(kernel, key=lambda c: kernel[c]["us"])
         row.update(kernel=kernel, best=best, best_us=kernel[best]["us"])

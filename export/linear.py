@@ -36,7 +36,8 @@ class Linear(nn.Linear):
     decode_kernel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.decode_kernel and self.bias is None and x.dtype in KERNEL_DTYPES and fused_moe.runs_on(x.device) \
+        # Where the kernels do not run (the CPU's eager steps, every call) the first test decides.
+        if fused_moe.runs_on(x.device) and self.decode_kernel and self.bias is None and x.dtype in KERNEL_DTYPES \
                 and self.weight.numel() * self.weight.element_size() <= MAX_WEIGHT_BYTES:
             return decode_linear(x, self.weight)
         return F.linear(x, self.weight, self.bias)
