@@ -52,7 +52,9 @@
 #               the grouped GEMMs against export/fused_moe.py's kernels (BENCH_FUSED_MOE_ARGS: more arguments):
 #               $OUT/fused_moe.json
 #   decode_kernels  (on a GPU, only when BENCH_ONLY names it) bench/decode_kernels.py: export/linear.py's kernel
-#               against cuBLAS per linear shape and configuration: $OUT/decode_kernels.json
+#               against cuBLAS per linear shape and configuration, export/latent_attention.py's kernels against the
+#               compiled eager attention per configuration (BENCH_DECODE_KERNELS_ARGS: more arguments):
+#               $OUT/decode_kernels.json
 #   standalone  bench/standalone.py: the same checkpoint in one process, steps as captured CUDA graphs,
 #               with and without speculation
 #   hf_generate bench/hf_generate.py: transformers generate(do_sample=False), the same checkpoint
@@ -354,7 +356,8 @@ if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" graph_time "* ]]; then  
         --out "$OUT/graph_time.json"
 fi
 if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" decode_kernels "* ]]; then  # on request
-    stage decode_kernels "${BENCH_DECODE_KERNELS_S:-200}" python -m bench.decode_kernels --out "$OUT/decode_kernels.json"
+    stage decode_kernels "${BENCH_DECODE_KERNELS_S:-200}" python -m bench.decode_kernels --out "$OUT/decode_kernels.json" \
+        ${BENCH_DECODE_KERNELS_ARGS:-}
 fi
 if [ "$device" = cuda ] && [[ " ${BENCH_ONLY:-} " == *" fused_moe "* ]]; then  # on request
     stage fused_moe "${BENCH_FUSED_MOE_S:-120}" python -m bench.fused_moe --out "$OUT/fused_moe.json" \

@@ -7,9 +7,10 @@ step (one token, context `--context` tokens) is captured as a CUDA graph and rep
 with the dense MoE (every expert on every token), then with the grouped MoE the eager export serves on
 GPUs (`export.moe`, `MoE.group_experts`: only the selected experts' weights are read) through its
 grouped GEMMs ("selected") and through the decode kernels of export/fused_moe.py ("fused"; "fused-apart"
-keeps the shared experts as their own MLP instead of folding them into the kernels' picks; "fused-cublas" runs
-every linear layer through cuBLAS instead of the small ones through export/linear.py's decode kernel, which
-every other grouped variant takes where Triton runs). Where
+keeps the shared experts as their own MLP instead of folding them into the kernels' picks; "fused-eager-attention"
+runs the attention through its eager ops instead of export/latent_attention.py's kernels; "fused-cublas" in
+addition every linear layer through cuBLAS instead of the small ones through export/linear.py's decode kernel:
+every other grouped variant takes both where Triton runs). Where
 grouped_mm does not run natively for the device and dtype, the grouped variants are left out.
 `--profile FILE` writes the kernel table (torch.profiler) of one timed step of the last variant (compiled and
 replayed as timed, so the table shows where the step's device time goes beyond the floor) and records the
@@ -36,6 +37,7 @@ from .common import environment, step_time, synchronize, write_result
 from .graphs import place_rope, wrap_step
 from triton_mtp.export.config import ModelConfig
 from triton_mtp.export.linear import Linear
+from triton_mtp.export.mla import MLAttention
 from triton_mtp.export.model import DeepseekV3Target
 from triton_mtp.export.moe import MoE, group_experts, grouped_mm_works
 from triton_mtp.export.rope import RotaryEmbedding
@@ -149,6 +151,8 @@ def run(args: argparse.Namespace) -> dict:
                         module.fold_shared_experts()
                 elif isinstance(module, Linear):
                     module.decode_kernel = name != "fused-cublas"
+                elif isinstance(module, MLAttention):
+                    module.decode_kernel = name not in ("fused-cublas", "fused-eager-attention")
         with torch.no_grad():
             eager_s = step_time(target, inputs, device, max(2, args.repeats // 10))
         step = wrap_step(target, args.graphs, inputs)
@@ -185,7 +189,7 @@ def profile_step(step: Callable[..., object], inputs: tuple[torch.Tensor, ...], 
 
 
 # The grouped MoE's variants; any order, after dense.
-GROUPED = ("selected", "fused-apart", "fused", "fused-cublas")
+GROUPED = ("selected", "fused-apart", "fused", "fused-eager-attention", "fused-cublas")
 
 
 def parse_variants(text: str) -> list[str]:
@@ -216,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="MoE variants to time, in order (default dense,selected,fused-apart,fused): dense, "
                              "selected (the grouped GEMMs), fused-apart (grouped, decode steps through "
                              "export/fused_moe.py's kernels, the shared experts their own MLP), fused (the shared "
-                             "experts folded into the kernels' picks)")
+                             "experts folded into the kernels' picks), fused-eager-attention (fused, the attention "
+                             "on eager ops), fused-cublas (that, and the linear layers on cuBLAS)")
     run(parser.parse_args(argv))
     return 0
 

@@ -1,5 +1,5 @@
-"""The decode path's Triton kernels (export/fused_moe.py's and export/linear.py's), a module of their own:
-imported only where Triton is.
+"""The decode path's Triton kernels (export/fused_moe.py's, export/linear.py's and export/latent_attention.py's), a
+module of their own: imported only where Triton is.
 
 In the expert kernels one program computes BLOCK_N outputs of one (token, pick) pair: w[expert, rows, :] @ v
 over K in BLOCK_K columns at a time, accumulated in float32. The grid is (pairs, ceil(N / BLOCK_N)). In
@@ -121,3 +121,105 @@ def linear(x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.const
                     mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0).to(tl.float32)
         acc += tl.sum(w * x[None, :], axis=1)
     tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
+def absorb_query(q_ptr, w_ptr, out_ptr, N, heads, DN, DV, R, stride_qn, stride_qh, BLOCK_DN: tl.constexpr,
+                 BLOCK_R: tl.constexpr):
+    """out[N, h, R] = q[N, h, DN] @ w_uk[h]: the nope query (strides stride_qn, stride_qh, 1) into the latent,
+    w_uk[h] = w[h, :DN, :] of w[h, DN + DV, R] (kv_b_proj's weight), accumulated in float32. The grid is
+    (h, ceil(R / BLOCK_R)); a program reads its weight tile once for all N tokens."""
+    head, block = tl.program_id(0), tl.program_id(1)
+    d = tl.arange(0, BLOCK_DN)  # [BLOCK_DN]
+    r = block * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    w = tl.load(w_ptr + (head * (DN + DV) + d[:, None]) * R + r[None, :],
+                mask=(d[:, None] < DN) & (r[None, :] < R), other=0.0).to(tl.float32)  # [BLOCK_DN, BLOCK_R]
+    for n in range(N):
+        q = tl.load(q_ptr + n * stride_qn + head * stride_qh + d, mask=d < DN, other=0.0).to(tl.float32)
+        out = tl.sum(w * q[:, None], axis=0)  # [BLOCK_R]
+        tl.store(out_ptr + (n * heads + head) * R + r, out.to(out_ptr.dtype.element_ty), mask=r < R)
+
+
+@triton.jit
+def latent_attention_chunk(q_ptr, qpe_ptr, cache_ptr, rows_ptr, positions_ptr, m_ptr, l_ptr, acc_ptr, T, heads,
+                           seq, chunks, scale, stride_pn, stride_ph, R: tl.constexpr, DR: tl.constexpr, CHUNK: tl.constexpr,
+                           BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_DR: tl.constexpr):
+    """Absorbed MLA of BLOCK_H heads of one token over the CHUNK cache positions of one chunk, with an online
+    softmax, the heads' scores and weighted latents as tensor-core dots (each position read once for all of them):
+    q[N, h, R] (latent queries), qpe[N, h, DR] (roped queries, strides stride_pn, stride_ph, 1), cache[rows, seq, R + DR], rows[B] (each row's pool
+    row), positions[N] (N = B·T tokens; a token sees the positions up to its own, at least 0) -> m[N, h, chunks]
+    (largest score), l[N, h, chunks] (sum of exp(score - m)), acc[N, h, chunks, R] (latents weighted by
+    exp(score - m)), float32. The grid is (N, chunks, ceil(h / BLOCK_H)). Scores round where the eager step's
+    ops do (each dot, their sum, the scaled sum)."""
+    token, chunk, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    position = tl.maximum(tl.load(positions_ptr + token), 0)
+    row = tl.load(rows_ptr + token // T).to(tl.int64)
+    dtype = q_ptr.dtype.element_ty
+    h = block * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    r = tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    d = tl.arange(0, BLOCK_DR)  # [BLOCK_DR]
+    query = token * heads + h  # [BLOCK_H]
+    q = tl.load(q_ptr + query[:, None] * R + r[None, :], mask=(h[:, None] < heads) & (r[None, :] < R),
+                other=0.0)  # [BLOCK_H, BLOCK_R]
+    qpe = tl.load(qpe_ptr + token * stride_pn + h[:, None] * stride_ph + d[None, :], mask=(h[:, None] < heads) & (d[None, :] < DR),
+                  other=0.0)  # [BLOCK_H, BLOCK_DR]
+    m = tl.zeros([BLOCK_H], dtype=tl.float32) - 1e30  # below any score, finite: exp(m - m_next) needs no guard
+    l = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
+    end = tl.minimum(chunk * CHUNK + CHUNK, position + 1)  # nothing past the token's position is read
+    for s0 in range(chunk * CHUNK, end, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)  # [BLOCK_S]
+        visible = s < end
+        at = cache_ptr + (row * seq + s[:, None]) * (R + DR)  # [BLOCK_S, 1]
+        c = tl.load(at + r[None, :], mask=visible[:, None] & (r[None, :] < R), other=0.0)  # [BLOCK_S, BLOCK_R]
+        pe = tl.load(at + R + d[None, :], mask=visible[:, None] & (d[None, :] < DR), other=0.0)  # [BLOCK_S, BLOCK_DR]
+        score = tl.dot(q, tl.trans(c)).to(dtype).to(tl.float32) \
+            + tl.dot(qpe, tl.trans(pe)).to(dtype).to(tl.float32)  # [BLOCK_H, BLOCK_S]
+        score = (score.to(dtype).to(tl.float32) * scale).to(dtype).to(tl.float32)
+        score = tl.where(visible[None, :], score, float("-inf"))
+        m_next = tl.maximum(m, tl.max(score, axis=1))  # [BLOCK_H]
+        keep = tl.exp(m - m_next)  # [BLOCK_H]
+        p = tl.exp(score - m_next[:, None])  # [BLOCK_H, BLOCK_S], 0 where not visible
+        l = l * keep + tl.sum(p, axis=1)
+        acc = acc * keep[:, None] + tl.dot(p.to(dtype), c)  # [BLOCK_H, BLOCK_R]
+        m = m_next
+    part = query * chunks + chunk  # [BLOCK_H]
+    tl.store(m_ptr + part, m, mask=h < heads)
+    tl.store(l_ptr + part, l, mask=h < heads)
+    tl.store(acc_ptr + part[:, None] * R + r[None, :], acc, mask=(h[:, None] < heads) & (r[None, :] < R))
+
+
+@triton.jit
+def latent_attention_out(m_ptr, l_ptr, acc_ptr, positions_ptr, w_ptr, out_ptr, heads, chunks, DN, DV,
+                         R: tl.constexpr, CHUNK: tl.constexpr, STEP_C: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_V: tl.constexpr):
+    """A query's (token, head) softmax-weighted latent from its chunks' (m, l, acc) of `latent_attention_chunk`
+    (only the chunks its position reaches, STEP_C at a time), rounded to out's dtype as the eager step's, then
+    out[N, h, DV] = latent @ w_uv[h]^T for BLOCK_V values, w_uv[h] = w[h, DN:, :] of w[h, DN + DV, R]. The grid
+    is (N·h, ceil(DV / BLOCK_V))."""
+    query, block = tl.program_id(0), tl.program_id(1)
+    head = query % heads
+    used = tl.maximum(tl.load(positions_ptr + query // heads), 0) // CHUNK + 1  # chunks that saw a position
+    top = tl.zeros([STEP_C], dtype=tl.float32) - 1e30
+    for c0 in range(0, used, STEP_C):
+        i = c0 + tl.arange(0, STEP_C)  # [STEP_C]
+        top = tl.maximum(top, tl.load(m_ptr + query * chunks + i, mask=i < used, other=-1e30))
+    top_m = tl.max(top, axis=0)
+    r = tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    total = tl.zeros([], dtype=tl.float32)
+    latent = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for c0 in range(0, used, STEP_C):
+        i = c0 + tl.arange(0, STEP_C)  # [STEP_C]
+        w = tl.exp(tl.load(m_ptr + query * chunks + i, mask=i < used, other=-1e30) - top_m)  # [STEP_C]
+        w = tl.where(i < used, w, 0.0)
+        total += tl.sum(w * tl.load(l_ptr + query * chunks + i, mask=i < used, other=0.0), axis=0)
+        acc = tl.load(acc_ptr + (query * chunks + i[:, None]) * R + r[None, :],
+                      mask=(i[:, None] < used) & (r[None, :] < R), other=0.0)  # [STEP_C, BLOCK_R]
+        latent += tl.sum(acc * w[:, None], axis=0)
+    latent = (latent / total).to(out_ptr.dtype.element_ty).to(tl.float32)  # [BLOCK_R]
+    v = block * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+    w_uv = tl.load(w_ptr + (head * (DN + DV) + DN + v[:, None]) * R + r[None, :],
+                   mask=(v[:, None] < DV) & (r[None, :] < R), other=0.0).to(tl.float32)  # [BLOCK_V, BLOCK_R]
+    out = tl.sum(w_uv * latent[None, :], axis=1)  # [BLOCK_V]
+    tl.store(out_ptr + query * DV + v, out.to(out_ptr.dtype.element_ty), mask=v < DV)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from triton_mtp.export import latent_attention
 from triton_mtp.export.config import ModelConfig
 from triton_mtp.export.linear import Linear
 from triton_mtp.export.rope import apply_rotary, softmax_scale
@@ -31,7 +32,11 @@ class RMSNorm(nn.Module):
 
 
 class MLAttention(nn.Module):
-    """DeepSeek-V3 attention; parameter names follow the checkpoint (`self_attn.*`)."""
+    """DeepSeek-V3 attention; parameter names follow the checkpoint (`self_attn.*`). Calls of few tokens attend
+    through export/latent_attention.py's kernels where they run; `decode_kernel` False keeps every call on the
+    eager ops (bench/realistic.py compares them)."""
+
+    decode_kernel = True
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -76,25 +81,14 @@ class MLAttention(nn.Module):
         latent = torch.cat([self.kv_a_layernorm(c_kv), apply_rotary(k_pe, cos, sin, self.interleave)], dim=-1)
         self._write(cache, layer, latent, positions, slot_ids)
 
-        if isinstance(layer, int):
-            kv_all = cache[layer].index_select(0, slot_ids)  # [B, S+1, r + dr]
-        else:  # a 0-d tensor: rows of the pool flattened over (layer, slot)
-            kv_all = cache.flatten(0, 1).index_select(0, layer * cache.shape[1] + slot_ids)  # [B, S+1, r + dr]
-        kv_all = kv_all.to(x.dtype)
-        c_all, pe_all = torch.split(kv_all, [self.kv_lora_rank, self.rope_dim], dim=-1)  # [B, S+1, r], [B, S+1, dr]
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        w_uk, w_uv = torch.split(w_kv, [self.nope_dim, self.v_dim], dim=1)  # [h, dn, r], [h, dv, r]
-
-        q_latent = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)  # [B, T, h, r]
-        scores = torch.einsum("bthr,bsr->bhts", q_latent, c_all)  # [B, h, T, S+1]
-        scores = (scores + torch.einsum("bthd,bsd->bhts", q_pe, pe_all)) * self.scale  # [B, h, T, S+1]
-        cache_pos = torch.arange(cache.shape[2], device=x.device)  # [S+1]
-        visible = cache_pos[None, None, :] <= positions.clamp(min=0)[:, :, None]  # [B, T, S+1]
-        scores = scores.masked_fill(~visible[:, None], torch.finfo(scores.dtype).min)  # [B, h, T, S+1]
-        probs = torch.softmax(scores.float(), dim=-1).to(x.dtype)  # [B, h, T, S+1]
-
-        out_latent = torch.einsum("bhts,bsr->bthr", probs, c_all)  # [B, T, h, r]
-        out = torch.einsum("bthr,hvr->bthv", out_latent, w_uv)  # [B, T, h, dv]
+        if self.decode_kernel and latent_attention.takes_kernels(q_nope):  # the pool's rows of this layer's slots
+            out = latent_attention.latent_attention(
+                q_nope, q_pe, w_kv, cache, layer * cache.shape[1] + slot_ids, positions, self.scale)  # [B, T, h, dv]
+        else:  # an int layer reads the view cache[layer]; a 0-d tensor (an MTP layer step's) the flattened rows
+            kv_all = cache[layer].index_select(0, slot_ids) if isinstance(layer, int) else \
+                cache.flatten(0, 1).index_select(0, layer * cache.shape[1] + slot_ids)  # [B, S+1, r + dr]
+            out = latent_attention.attend(q_nope, q_pe, w_kv, kv_all, positions, self.scale)  # [B, T, h, dv]
         return self.o_proj(out.reshape(B, T, self.num_heads * self.v_dim))  # [B, T, H]
 
     @staticmethod
