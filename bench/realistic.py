@@ -9,7 +9,8 @@ GPUs (`export.moe`, `MoE.group_experts`: only the selected experts' weights are 
 grouped GEMMs ("selected") and through the decode kernels of export/fused_moe.py ("fused"; "fused-apart"
 keeps the shared experts as their own MLP instead of folding them into the kernels' picks; "fused-eager-attention"
 runs the attention through its eager ops instead of export/latent_attention.py's kernels; "fused-cublas" in
-addition every linear layer through cuBLAS instead of the small ones through export/linear.py's decode kernel:
+addition every linear layer and the router's through cuBLAS instead of the small ones through export/linear.py's
+decode kernel:
 every other grouped variant takes both where Triton runs). Where
 grouped_mm does not run natively for the device and dtype, the grouped variants are left out.
 `--profile FILE` writes the kernel table (torch.profiler) of one timed step of the last variant (compiled and
@@ -39,7 +40,7 @@ from triton_mtp.export.config import ModelConfig
 from triton_mtp.export.linear import Linear
 from triton_mtp.export.mla import MLAttention
 from triton_mtp.export.model import DeepseekV3Target
-from triton_mtp.export.moe import MoE, group_experts, grouped_mm_works
+from triton_mtp.export.moe import Gate, MoE, group_experts, grouped_mm_works
 from triton_mtp.export.rope import RotaryEmbedding
 
 
@@ -149,7 +150,7 @@ def run(args: argparse.Namespace) -> dict:
                         module.unfold_shared_experts()
                     else:
                         module.fold_shared_experts()
-                elif isinstance(module, Linear):
+                elif isinstance(module, (Linear, Gate)):
                     module.decode_kernel = name != "fused-cublas"
                 elif isinstance(module, MLAttention):
                     module.decode_kernel = name not in ("fused-cublas", "fused-eager-attention")

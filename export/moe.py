@@ -33,7 +33,7 @@ from torch import nn
 
 from triton_mtp.export import fused_moe
 from triton_mtp.export.config import ModelConfig
-from triton_mtp.export.linear import Linear
+from triton_mtp.export.linear import Linear, decode_linear
 
 MOE_KINDS = ("grouped", "dense")
 
@@ -52,7 +52,10 @@ class MLP(nn.Module):
 
 
 class Gate(nn.Module):
-    """Router: sigmoid scores; `e_score_correction_bias` steers the selection only, not the weights."""
+    """Router: sigmoid scores; `e_score_correction_bias` steers the selection only, not the weights.
+    `decode_kernel` False keeps the logits on F.linear (bench/realistic.py compares them)."""
+
+    decode_kernel = True
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -68,7 +71,10 @@ class Gate(nn.Module):
         self.e_score_correction_bias = self.e_score_correction_bias.float()
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x[N, H] -> the router's logits [N, E] float32 (before the sigmoid)."""
+        """x[N, H] -> the router's logits [N, E] float32 (before the sigmoid). A decode call takes export/linear.py's
+        kernel where it runs (one launch, where cuBLAS's float32 GEMV takes two)."""
+        if self.decode_kernel and fused_moe.runs_on(x.device):
+            return decode_linear(x.float(), self.weight.float())
         return F.linear(x.float(), self.weight.float())
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,14 +1,18 @@
 """The decode linear kernel (export/linear.py), run by Triton's interpreter on the CPU: F.linear's outputs, and the
 dispatch (one-token calls of small weights take the kernel; more tokens, large weights, float32 and a bias take
-F.linear) inside one op that passes opcheck and splits no compiled size class."""
+F.linear) inside one op that passes opcheck and splits no compiled size class; the router's float32 decode logits."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from triton_mtp.export import linear
+from triton_mtp.export.config import ModelConfig
+from triton_mtp.export.moe import Gate
 
 pytest.importorskip("triton")
 
@@ -86,3 +90,17 @@ def test_a_compiled_linear_does_not_guard_on_its_tokens(kernels):
         torch._dynamo.reset()
     assert len(graphs) == 4  # (1, 1), (1, >1), (>1, 1), (>1, >1), as dynamo specializes sizes 0 and 1
     assert kernels == [32]  # the one call of one token
+
+
+def test_the_router_takes_the_kernel_for_its_float32_decode_logits(kernels):
+    """The gate's logits (float32 weight and input) of one token take the kernel, of two F.linear, and agree."""
+    config = ModelConfig.from_checkpoint(Path(__file__).resolve().parents[1] / "models" / "tiny-dsv3-mtp")
+    torch.manual_seed(0)
+    gate = Gate(config).to(torch.bfloat16)
+    torch.nn.init.normal_(gate.weight)
+    gate.hold_float32()
+    one, two = torch.randn(1, 256, dtype=torch.bfloat16), torch.randn(2, 256, dtype=torch.bfloat16)  # [N, H]
+    logits = gate.logits(one)  # [1, E]
+    assert kernels == [8] and logits.dtype == torch.float32
+    assert torch.allclose(logits, F.linear(one.float(), gate.weight), rtol=1e-5, atol=1e-5)
+    assert torch.equal(gate.logits(two), F.linear(two.float(), gate.weight)) and kernels == [8]
