@@ -38,7 +38,7 @@ from .common import environment, step_time, synchronize, write_result
 from .graphs import place_rope, wrap_step
 from triton_mtp.export.config import ModelConfig
 from triton_mtp.export.linear import Linear
-from triton_mtp.export.mla import MLAttention
+from triton_mtp.export.mla import MLAttention, fuse_input_projections
 from triton_mtp.export.model import DeepseekV3Target
 from triton_mtp.export.moe import Gate, MoE, group_experts, grouped_mm_works
 from triton_mtp.export.rope import RotaryEmbedding
@@ -143,6 +143,7 @@ def run(args: argparse.Namespace) -> dict:
     for name, touched in variants.items():
         if name != "dense":
             group_experts(target)
+            fuse_input_projections(target)
             for module in target.modules():
                 if isinstance(module, MoE):
                     module.fused_decode = name != "selected"

@@ -24,6 +24,7 @@ from transformers.initialization import TORCH_INIT_FUNCTIONS
 
 from triton_mtp.export.config import ModelConfig
 from triton_mtp.export.errors import CheckpointError
+from triton_mtp.export.mla import fuse_input_projections
 from triton_mtp.export.model import DeepseekV3MTP, DeepseekV3Target
 from triton_mtp.export.moe import MOE_KINDS, group_experts
 
@@ -71,7 +72,8 @@ def load_checkpoint(
 ) -> tuple[ModelConfig, DeepseekV3Target, DeepseekV3MTP | None]:
     """Build the target (and MTP, when the checkpoint has MTP layers) and load their weights.
 
-    `moe` "grouped" stacks each MoE's experts after loading (export/moe.py); "dense" keeps them.
+    `moe` "grouped" (the GPU build) stacks each MoE's experts after loading (export/moe.py) and fuses each
+    attention's two input projections into one (`MLAttention.fuse_input_projections`); "dense" keeps them.
 
     `max_seq_len` defaults to the config's `max_position_embeddings`. A checkpoint without MTP
     tensors (or with num_nextn_predict_layers 0) returns mtp=None and a config with
@@ -106,6 +108,7 @@ def load_checkpoint(
             module.eval().requires_grad_(False)
     if moe == "grouped":
         group_experts(target, mtp)
+        fuse_input_projections(target, mtp)
     return config, target, mtp
 
 

@@ -57,6 +57,23 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank)
         self.kv_b_proj = Linear(config.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = Linear(self.num_heads * self.v_dim, config.hidden_size, bias=False)
+        self.fused_qkv_a_proj: Linear | None = None  # `fuse_input_projections`
+
+    def fuse_input_projections(self) -> None:
+        """q_proj (q_a_proj under q-LoRA) and kv_a_proj_with_mqa, which both read the hidden state, as one Linear
+        `fused_qkv_a_proj` whose output splits into the two, as vLLM's: one launch where there were two. The two
+        checkpoint names are gone afterwards, as the grouped experts' are. Once only: fused, it does nothing."""
+        if self.fused_qkv_a_proj is not None:
+            return
+        first = self.q_a_proj if self.q_lora else self.q_proj
+        weight = torch.cat([first.weight, self.kv_a_proj_with_mqa.weight])  # [q + r + dr, H]
+        self.fused_qkv_a_proj = Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        self.fused_qkv_a_proj.weight = nn.Parameter(weight, requires_grad=first.weight.requires_grad)
+        del self.kv_a_proj_with_mqa
+        if self.q_lora:
+            del self.q_a_proj
+        else:
+            del self.q_proj
 
     def forward(
         self,
@@ -71,12 +88,18 @@ class MLAttention(nn.Module):
         """x[B, T, H] -> [B, T, H]; writes this call's latents into `cache[layer]` first, then attends. `layer` is an
         int or a 0-d int64 tensor (an MTP layer step's: its graph is then the same for every layer)."""
         B, T, _ = x.shape
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)  # [B, T, h*dqk]
+        if self.fused_qkv_a_proj is None:
+            q = self.q_a_proj(x) if self.q_lora else self.q_proj(x)  # [B, T, q_lora_rank or h*dqk]
+            kv = self.kv_a_proj_with_mqa(x)  # [B, T, r + dr]
+        else:
+            cache_dim = self.kv_lora_rank + self.rope_dim
+            q, kv = torch.split(self.fused_qkv_a_proj(x), [self.fused_qkv_a_proj.out_features - cache_dim, cache_dim],
+                                dim=-1)  # [B, T, q_lora_rank or h*dqk], [B, T, r + dr]
+        q = self.q_b_proj(self.q_a_layernorm(q)) if self.q_lora else q  # [B, T, h*dqk]
         q = q.view(B, T, self.num_heads, self.nope_dim + self.rope_dim)  # [B, T, h, dqk]
         q_nope, q_pe = torch.split(q, [self.nope_dim, self.rope_dim], dim=-1)  # [B, T, h, dn], [B, T, h, dr]
         q_pe = apply_rotary(q_pe, cos, sin, self.interleave)  # [B, T, h, dr]
 
-        kv = self.kv_a_proj_with_mqa(x)  # [B, T, r + dr]
         c_kv, k_pe = torch.split(kv, [self.kv_lora_rank, self.rope_dim], dim=-1)  # [B, T, r], [B, T, dr]
         latent = torch.cat([self.kv_a_layernorm(c_kv), apply_rotary(k_pe, cos, sin, self.interleave)], dim=-1)
         self._write(cache, layer, latent, positions, slot_ids)
@@ -101,3 +124,12 @@ class MLAttention(nn.Module):
         write_pos = torch.where(positions >= 0, positions, torch.full_like(positions, seq_plus_one - 1))  # [B, T]
         flat = (layer * num_slots + slot_ids[:, None]) * seq_plus_one + write_pos  # [B, T]
         cache.view(-1, dim).index_copy_(0, flat.reshape(-1), latent.reshape(-1, dim).to(cache.dtype))
+
+
+def fuse_input_projections(*models: nn.Module | None) -> None:
+    """`MLAttention.fuse_input_projections` on every attention layer of the given models (None skipped)."""
+    for model in models:
+        if model is not None:
+            for module in list(model.modules()):
+                if isinstance(module, MLAttention):
+                    module.fuse_input_projections()

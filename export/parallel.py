@@ -33,7 +33,7 @@ from torch import nn
 
 from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.export.config import ModelConfig
-from triton_mtp.export.mla import MLAttention
+from triton_mtp.export.mla import MLAttention, fuse_input_projections
 from triton_mtp.export.model import DecoderLayer, DeepseekV3MTP, DeepseekV3Target
 from triton_mtp.export.moe import MLP, MoE, group_experts
 
@@ -88,7 +88,8 @@ def load_sharded(
     group: dist.ProcessGroup | None = None,
     moe: str = "dense",
 ) -> tuple[ModelConfig, DeepseekV3Target, DeepseekV3MTP | None]:
-    """`load_checkpoint`, then `shard_models` for this rank, then `moe` "grouped" stacks this rank's experts.
+    """`load_checkpoint`, then `shard_models` for this rank, then `moe` "grouped" stacks this rank's experts and fuses
+    its attention input projections.
 
     Every rank streams the whole checkpoint onto `device` and then drops what it does not hold,
     which needs the unsharded model to fit there once. For DeepSeek-V3 size, the next step is to
@@ -99,6 +100,7 @@ def load_sharded(
     shard_models(target, mtp, rank, world_size, group)
     if moe == "grouped":
         group_experts(target, mtp)
+        fuse_input_projections(target, mtp)
     return config, target, mtp
 
 
