@@ -32,11 +32,11 @@ class RMSNorm(nn.Module):
 
 
 class MLAttention(nn.Module):
-    """DeepSeek-V3 attention; parameter names follow the checkpoint (`self_attn.*`). Calls of few tokens attend
-    through export/latent_attention.py's kernels where they run; `decode_kernel` False keeps every call on the
-    eager ops (bench/realistic.py compares them)."""
+    """DeepSeek-V3 attention; parameter names follow the checkpoint (`self_attn.*`). With `decode_kernel` True,
+    calls of few tokens attend through export/latent_attention.py's kernels where they run. False by default until
+    they are measured on a GPU: bench/realistic.py and bench/decode_kernels.py turn them on to compare."""
 
-    decode_kernel = True
+    decode_kernel = False
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

@@ -115,21 +115,20 @@ def bundled_attention(dtype: torch.dtype) -> MLAttention:
     return attention
 
 
-def test_an_attention_layer_takes_the_kernels_for_its_decode_calls(kernels):
-    """The layer's output through the kernels is its eager output within float16's rounding; `decode_kernel`
-    False keeps it on the eager ops."""
+def test_an_attention_layer_takes_the_kernels_for_its_decode_calls_once_turned_on(kernels):
+    """Off by default (the eager ops); with `decode_kernel` True the layer's output through the kernels is its
+    eager output within float16's rounding."""
     attention = bundled_attention(torch.float16)
     x = torch.randn(2, 1, 256, dtype=torch.float16)  # [B, T, H]
     positions, slots = torch.tensor([[7], [3]]), torch.tensor([0, 2])  # [B, T], [B]
     cos, sin = (torch.randn(2, 1, 16, dtype=torch.float16) for _ in range(2))  # [B, T, dr]
     cache = torch.randn(LAYERS, SLOTS, 16, 80, dtype=torch.float16)  # [L, S, seq, r + dr]
     with torch.no_grad():
+        eager = attention(x, cos, sin, positions, slots, cache.clone(), 1)
+        assert kernels == []
+        attention.decode_kernel = True
         fused = attention(x, cos, sin, positions, slots, cache.clone(), 1)
         assert kernels == [2]
-        attention.decode_kernel = False
-        eager = attention(x, cos, sin, positions, slots, cache.clone(), 1)
-        assert kernels == [2]
-        attention.decode_kernel = True
         expected = attention.float()(x.float(), cos.float(), sin.float(), positions, slots, cache.float(), 1)
     assert relative_error(fused, expected) <= max(2 * relative_error(eager, expected), 1e-3)
 
@@ -139,6 +138,7 @@ def test_a_compiled_attention_layer_takes_the_op_for_every_call(kernels, monkeyp
     op's shape and strides), calls of few tokens take the kernels and a prefill the eager ops, as uncompiled."""
     monkeypatch.setattr(latent_attention, "MAX_TOKENS", 8)
     attention = bundled_attention(torch.float16)
+    attention.decode_kernel = True
     cache = torch.zeros(LAYERS, SLOTS, 40, 80, dtype=torch.float16)  # [L, S, seq, r + dr]
     torch._dynamo.reset()
     compiled = torch.compile(attention, dynamic=True, fullgraph=True)
