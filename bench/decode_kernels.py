@@ -2,8 +2,8 @@
 graphs of back-to-back calls, so no host time is counted):
 
 - linear: export/linear.py's kernel against F.linear (cuBLAS) for each linear shape of the DeepSeek-V2-Lite-shaped
-  step (bench/realistic.py) and of the bundled model, one token (the calls the kernel takes), over
-  BLOCK_N x BLOCK_K x num_warps;
+  step (bench/realistic.py) and of the bundled model, and the routers' float32 shapes, one token (the calls the
+  kernel takes), over BLOCK_N x BLOCK_K x num_warps;
 - attention: export/latent_attention.py's op against its eager ops compiled as the served steps compile them
   (`attend` over the gathered rows), V2-Lite's heads and ranks at `--context` positions, 1 and 4 tokens, over
   CHUNK x BLOCK_S x num_warps, with each configuration's largest difference from the compiled ops.
@@ -25,11 +25,14 @@ from triton_mtp.serving.graphs import CapturedStep
 from .common import environment, write_result
 from .graph_time import replay_ms
 
-# (name, N, K): V2-Lite's projections, dense MLP and head; the bundled model's.
-LINEAR_SHAPES = [("v2-lite q_proj", 3072, 2048), ("v2-lite kv_a", 576, 2048), ("v2-lite o_proj", 2048, 2048),
-                 ("v2-lite dense gate/up", 10944, 2048), ("v2-lite dense down", 2048, 10944),
-                 ("v2-lite lm_head", 102400, 2048), ("bundled q_b", 192, 128), ("bundled kv_a", 80, 256),
-                 ("bundled lm_head", 8192, 256)]
+# (name, N, K[, dtype]): V2-Lite's projections (q_proj and kv_a fused as the GPU build loads them), dense MLP, head
+# and router (float32); the bundled model's; DeepSeek-V3's router.
+LINEAR_SHAPES = [("v2-lite q_proj", 3072, 2048), ("v2-lite kv_a", 576, 2048), ("v2-lite q_proj+kv_a", 3648, 2048),
+                 ("v2-lite o_proj", 2048, 2048), ("v2-lite dense gate/up", 10944, 2048),
+                 ("v2-lite dense down", 2048, 10944), ("v2-lite lm_head", 102400, 2048),
+                 ("v2-lite router", 64, 2048, torch.float32), ("bundled q_b", 192, 128), ("bundled kv_a", 80, 256),
+                 ("bundled q_a+kv_a", 208, 256), ("bundled lm_head", 8192, 256),
+                 ("bundled router", 8, 256, torch.float32), ("v3 router", 256, 7168, torch.float32)]
 LINEAR_CONFIGS = list(itertools.product((4, 8, 16, 32), (64, 128, 256), (4, 8)))  # BLOCK_N, BLOCK_K, num_warps
 ATTENTION_CONFIGS = list(itertools.product((32, 64, 128), (16, 32, 64), (4, 8)))  # CHUNK, BLOCK_S, num_warps
 
@@ -42,10 +45,12 @@ def graph_us(call, x: torch.Tensor, calls: int = 20, replays: int = 20) -> float
 
 def bench_linear(device: torch.device) -> list[dict]:
     rows = []
-    for name, N, K in LINEAR_SHAPES:
-        x = torch.randn(1, K, dtype=torch.bfloat16, device=device)  # [1, K]
-        weight = torch.randn(N, K, dtype=torch.bfloat16, device=device) * 0.02  # [N, K]
-        row = {"shape": name, "N": N, "K": K, "cublas_us": graph_us(lambda x: F.linear(x, weight), x)}
+    for name, N, K, *dtype in LINEAR_SHAPES:
+        dtype = dtype[0] if dtype else torch.bfloat16
+        x = torch.randn(1, K, dtype=dtype, device=device)  # [1, K]
+        weight = torch.randn(N, K, dtype=dtype, device=device) * 0.02  # [N, K]
+        row = {"shape": name, "N": N, "K": K, "dtype": str(dtype).removeprefix("torch."),
+               "cublas_us": graph_us(lambda x: F.linear(x, weight), x)}
         expected = F.linear(x, weight).float()
         kernel = {}
         for block_n, block_k, warps in LINEAR_CONFIGS:
@@ -74,11 +79,13 @@ def bench_attention(device: torch.device, context: int) -> list[dict]:
         positions = torch.arange(context - T, context, device=device).view(1, T)  # [B, T]
         split = lambda q: torch.split(q, [dn, dr], dim=-1)  # noqa: E731 (the step's views of one projection)
         expected = compiled(*split(q), positions).float()
-        row = {"tokens": T, "context": context, "compiled_eager_us": graph_us(lambda q: compiled(*split(q), positions), q)}
+        row = {"tokens": T, "context": context,
+               "compiled_eager_us": graph_us(lambda q: compiled(*split(q), positions), q)}
         kernel = {}
         for chunk, block_s, warps in ATTENTION_CONFIGS:
             latent_attention.CHUNK, latent_attention.BLOCK_S, latent_attention.NUM_WARPS = chunk, block_s, warps
-            call = lambda q: latent_attention.latent_attention(*split(q), w_kv, cache, rows, positions, 0.1)  # noqa: E731
+            call = lambda q: latent_attention.latent_attention(  # noqa: E731
+                *split(q), w_kv, cache, rows, positions, 0.1)
             error = (call(q).float() - expected).abs().max().item()
             kernel[f"{chunk}/{block_s}/{warps}"] = {"us": graph_us(call, q), "max_abs_error": error}
         best = min(kernel, key=lambda c: kernel[c]["us"])

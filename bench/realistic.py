@@ -9,9 +9,9 @@ GPUs (`export.moe`, `MoE.group_experts`: only the selected experts' weights are 
 grouped GEMMs ("selected") and through the decode kernels of export/fused_moe.py ("fused"; "fused-apart"
 keeps the shared experts as their own MLP instead of folding them into the kernels' picks; "fused-eager-attention"
 runs the attention through its eager ops instead of export/latent_attention.py's kernels; "fused-cublas" in
-addition every linear layer and the router's through cuBLAS instead of the small ones through export/linear.py's
-decode kernel:
-every other grouped variant takes both where Triton runs). Where
+addition every linear layer and the router through cuBLAS instead of the small ones through export/linear.py's
+decode kernel; every other grouped variant takes both where Triton runs). Every grouped variant has each
+attention's input projections fused (`MLAttention.fuse_input_projections`), as the GPU build loads them. Where
 grouped_mm does not run natively for the device and dtype, the grouped variants are left out.
 `--profile FILE` writes the kernel table (torch.profiler) of one timed step of the last variant (compiled and
 replayed as timed, so the table shows where the step's device time goes beyond the floor) and records the
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, help="override vocab_size (smoke runs)")
     parser.add_argument("--profile", metavar="FILE", help="write the kernel table of one timed step of the last variant here")
     parser.add_argument("--variants", default=["dense", *GROUPED], type=parse_variants,
-                        help="MoE variants to time, in order (default dense,selected,fused-apart,fused): dense, "
+                        help="MoE variants to time, in order (default: all of them, in this order): dense, "
                              "selected (the grouped GEMMs), fused-apart (grouped, decode steps through "
                              "export/fused_moe.py's kernels, the shared experts their own MLP), fused (the shared "
                              "experts folded into the kernels' picks), fused-eager-attention (fused, the attention "

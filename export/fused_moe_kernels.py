@@ -142,13 +142,14 @@ def absorb_query(q_ptr, w_ptr, out_ptr, N, heads, DN, DV, R, stride_qn, stride_q
 
 @triton.jit
 def latent_attention_chunk(q_ptr, qpe_ptr, cache_ptr, rows_ptr, positions_ptr, m_ptr, l_ptr, acc_ptr, T, heads,
-                           seq, chunks, scale, stride_pn, stride_ph, R: tl.constexpr, DR: tl.constexpr, CHUNK: tl.constexpr,
-                           BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+                           seq, chunks, scale, stride_pn, stride_ph, R: tl.constexpr, DR: tl.constexpr,
+                           CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
                            BLOCK_DR: tl.constexpr):
     """Absorbed MLA of BLOCK_H heads of one token over the CHUNK cache positions of one chunk, with an online
-    softmax, the heads' scores and weighted latents as tensor-core dots (each position read once for all of them):
-    q[N, h, R] (latent queries), qpe[N, h, DR] (roped queries, strides stride_pn, stride_ph, 1), cache[rows, seq, R + DR], rows[B] (each row's pool
-    row), positions[N] (N = B·T tokens; a token sees the positions up to its own, at least 0) -> m[N, h, chunks]
+    softmax, the heads' scores and weighted latents as tensor-core dots (each position read once for all of them;
+    chunks past the token's position are left unwritten): q[N, h, R] (latent queries), qpe[N, h, DR] (roped
+    queries, strides stride_pn, stride_ph, 1), cache[rows, seq, R + DR], rows[B] (each row's pool row),
+    positions[N] (N = B·T tokens; a token sees the positions up to its own, at least 0) -> m[N, h, chunks]
     (largest score), l[N, h, chunks] (sum of exp(score - m)), acc[N, h, chunks, R] (latents weighted by
     exp(score - m)), float32. The grid is (N, chunks, ceil(h / BLOCK_H)). Scores round where the eager step's
     ops do (each dot, their sum, the scaled sum)."""
@@ -160,10 +161,12 @@ def latent_attention_chunk(q_ptr, qpe_ptr, cache_ptr, rows_ptr, positions_ptr, m
     r = tl.arange(0, BLOCK_R)  # [BLOCK_R]
     d = tl.arange(0, BLOCK_DR)  # [BLOCK_DR]
     query = token * heads + h  # [BLOCK_H]
-    q = tl.load(q_ptr + query[:, None] * R + r[None, :], mask=(h[:, None] < heads) & (r[None, :] < R),
+    # A chunk past the token's position (the pool's length sets the grid) reads and writes nothing.
+    held = h < tl.where(chunk * CHUNK <= position, heads, 0)  # [BLOCK_H]
+    q = tl.load(q_ptr + query[:, None] * R + r[None, :], mask=held[:, None] & (r[None, :] < R),
                 other=0.0)  # [BLOCK_H, BLOCK_R]
-    qpe = tl.load(qpe_ptr + token * stride_pn + h[:, None] * stride_ph + d[None, :], mask=(h[:, None] < heads) & (d[None, :] < DR),
-                  other=0.0)  # [BLOCK_H, BLOCK_DR]
+    qpe = tl.load(qpe_ptr + token * stride_pn + h[:, None] * stride_ph + d[None, :],
+                  mask=held[:, None] & (d[None, :] < DR), other=0.0)  # [BLOCK_H, BLOCK_DR]
     m = tl.zeros([BLOCK_H], dtype=tl.float32) - 1e30  # below any score, finite: exp(m - m_next) needs no guard
     l = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
@@ -185,9 +188,9 @@ def latent_attention_chunk(q_ptr, qpe_ptr, cache_ptr, rows_ptr, positions_ptr, m
         acc = acc * keep[:, None] + tl.dot(p.to(dtype), c)  # [BLOCK_H, BLOCK_R]
         m = m_next
     part = query * chunks + chunk  # [BLOCK_H]
-    tl.store(m_ptr + part, m, mask=h < heads)
-    tl.store(l_ptr + part, l, mask=h < heads)
-    tl.store(acc_ptr + part[:, None] * R + r[None, :], acc, mask=(h[:, None] < heads) & (r[None, :] < R))
+    tl.store(m_ptr + part, m, mask=held)
+    tl.store(l_ptr + part, l, mask=held)
+    tl.store(acc_ptr + part[:, None] * R + r[None, :], acc, mask=held[:, None] & (r[None, :] < R))
 
 
 @triton.jit

@@ -8,11 +8,14 @@ read take about 1.4 µs (docs/benchmarks.md, run 38). Where Triton runs (CUDA), 
 (export/fused_moe_kernels.py):
 
 - `absorb_query`: the latent query, one program per (head, block of the rank) reading its weight tile once;
-- `latent_attention_chunk`: flash-decoding's split as FlashMLA arranges it: one program per (token, chunk of
-  CHUNK positions, block of 16 heads) reads its positions of the pool in place, up to the token's own, once for
-  all its heads, scores them and weights the latents as tensor-core dots, and keeps an online softmax;
+- `latent_attention_chunk`: flash-decoding's split with a token's heads in one program, as FlashMLA has them:
+  one program per (token, chunk of CHUNK positions, block of 16 heads) reads its positions of the pool in place,
+  up to the token's own, once for all its heads, scores them and weights the latents as tensor-core dots, and
+  keeps an online softmax (FlashMLA also packs a sequence's tokens into the program: here each token of a verify
+  window reads the positions again);
 - `latent_attention_out`: one program per (token, head, block of values) weights the chunks that saw a
-  position and expands the latent by the value half.
+  position and expands the latent by the value half (each value block combines the chunks again, and each token
+  reads the value half again).
 
 Scores and the weighted latent round where eager's bf16 ops round; the probabilities are rounded before they
 weight the latents unnormalised (eager rounds them normalised), so the two differ by about that rounding. A
@@ -75,12 +78,16 @@ def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 def latent_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, w_kv: torch.Tensor, cache: torch.Tensor,
                      rows: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
     """`attend` over cache [L, S, seq, r + dr] at pool rows [B] (layer · S + slot), through the kernels for calls of
-    at most MAX_TOKENS tokens whose partial results fit MAX_PARTIAL_BYTES."""
+    at most MAX_TOKENS tokens whose partial results fit MAX_PARTIAL_BYTES (sized by the pool's length: with 128
+    heads and no tensor parallelism, a pool past about 8k positions stays eager), where the query, the weight and
+    the contiguous pool share one dtype. Past those bounds `attend` runs eagerly here, outside inductor's fusions
+    (the prefill's mask and softmax among them)."""
     (B, T, heads, dn), dr, r, seq = q_nope.shape, q_pe.shape[-1], w_kv.shape[2], cache.shape[2]
     dv = w_kv.shape[1] - dn
     pool = cache.flatten(0, 1)  # [L·S, seq, r + dr]
     N, chunks = B * T, (seq + CHUNK - 1) // CHUNK
-    if not 0 < N <= MAX_TOKENS or N * heads * chunks * (r + 2) * 4 > MAX_PARTIAL_BYTES:
+    if not 0 < N <= MAX_TOKENS or N * heads * chunks * (r + 2) * 4 > MAX_PARTIAL_BYTES \
+            or not q_pe.dtype == w_kv.dtype == cache.dtype == q_nope.dtype or not cache.is_contiguous():
         return attend(q_nope, q_pe, w_kv, pool.index_select(0, rows), positions, scale).contiguous()
     kernels, w_kv, positions = fused_moe.KERNELS, w_kv.contiguous(), positions.contiguous()
     q_nope, q_pe = last_dim_contiguous(q_nope.reshape(N, heads, dn)), last_dim_contiguous(q_pe.reshape(N, heads, dr))

@@ -34,7 +34,8 @@ class RMSNorm(nn.Module):
 class MLAttention(nn.Module):
     """DeepSeek-V3 attention; parameter names follow the checkpoint (`self_attn.*`). With `decode_kernel` True,
     calls of few tokens attend through export/latent_attention.py's kernels where they run. False by default until
-    they are measured on a GPU: bench/realistic.py and bench/decode_kernels.py turn them on to compare."""
+    they are measured on a GPU: bench/realistic.py's grouped variants other than fused-eager-attention and
+    fused-cublas turn them on (bench/decode_kernels.py calls the op itself)."""
 
     decode_kernel = False
 
@@ -62,7 +63,8 @@ class MLAttention(nn.Module):
     def fuse_input_projections(self) -> None:
         """q_proj (q_a_proj under q-LoRA) and kv_a_proj_with_mqa, which both read the hidden state, as one Linear
         `fused_qkv_a_proj` whose output splits into the two, as vLLM's: one launch where there were two. The two
-        checkpoint names are gone afterwards, as the grouped experts' are. Once only: fused, it does nothing."""
+        checkpoint names are gone afterwards, as the grouped experts' are, so tensor-parallel sharding
+        (export/parallel.py, which reads q_proj) comes first. Once only: fused, it does nothing."""
         if self.fused_qkv_a_proj is not None:
             return
         first = self.q_a_proj if self.q_lora else self.q_proj

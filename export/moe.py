@@ -53,9 +53,11 @@ class MLP(nn.Module):
 
 class Gate(nn.Module):
     """Router: sigmoid scores; `e_score_correction_bias` steers the selection only, not the weights.
-    `decode_kernel` False keeps the logits on F.linear (bench/realistic.py compares them)."""
+    With `decode_kernel` True a decode call's logits take export/linear.py's kernel where it runs. False by default
+    until measured on a GPU (bench/decode_kernels.py's router shapes; bench/realistic.py's grouped variants other
+    than fused-cublas turn it on)."""
 
-    decode_kernel = True
+    decode_kernel = False
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -71,8 +73,9 @@ class Gate(nn.Module):
         self.e_score_correction_bias = self.e_score_correction_bias.float()
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x[N, H] -> the router's logits [N, E] float32 (before the sigmoid). A decode call takes export/linear.py's
-        kernel where it runs (one launch, where cuBLAS's float32 GEMV takes two)."""
+        """x[N, H] -> the router's logits [N, E] float32 (before the sigmoid). With `decode_kernel`, a decode call
+        takes export/linear.py's kernel where it runs: one launch where cuBLAS's float32 GEMV took two (run 37),
+        though over only E / BLOCK_N programs."""
         if self.decode_kernel and fused_moe.runs_on(x.device):
             return decode_linear(x.float(), self.weight.float())
         return F.linear(x.float(), self.weight.float())

@@ -96,7 +96,8 @@ def test_calls_past_the_bounds_take_the_eager_ops(kernels, monkeypatch, bound):
     monkeypatch.setattr(latent_attention, bound, 5 if bound == "MAX_TOKENS" else 6 * 4 * chunks * (32 + 2) * 4 - 1)
     out = latent_attention.latent_attention(q_nope, q_pe, w_kv, cache, 1 * SLOTS + slots, positions, 0.3)
     assert kernels == []
-    assert torch.equal(out, latent_attention.attend(q_nope, q_pe, w_kv, cache[1].index_select(0, slots), positions, 0.3))
+    rows = cache[1].index_select(0, slots)  # [B, seq, r + dr]
+    assert torch.equal(out, latent_attention.attend(q_nope, q_pe, w_kv, rows, positions, 0.3))
 
 
 @pytest.mark.parametrize("tokens", [1, 70])

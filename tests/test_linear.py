@@ -92,14 +92,17 @@ def test_a_compiled_linear_does_not_guard_on_its_tokens(kernels):
     assert kernels == [32]  # the one call of one token
 
 
-def test_the_router_takes_the_kernel_for_its_float32_decode_logits(kernels):
-    """The gate's logits (float32 weight and input) of one token take the kernel, of two F.linear, and agree."""
+def test_the_router_takes_the_kernel_for_its_float32_decode_logits_once_turned_on(kernels):
+    """Off by default; then the gate's logits (float32 weight and input) of one token take the kernel, of two
+    F.linear, and agree."""
     config = ModelConfig.from_checkpoint(Path(__file__).resolve().parents[1] / "models" / "tiny-dsv3-mtp")
     torch.manual_seed(0)
     gate = Gate(config).to(torch.bfloat16)
     torch.nn.init.normal_(gate.weight)
     gate.hold_float32()
     one, two = torch.randn(1, 256, dtype=torch.bfloat16), torch.randn(2, 256, dtype=torch.bfloat16)  # [N, H]
+    assert torch.equal(gate.logits(one), F.linear(one.float(), gate.weight)) and kernels == []
+    gate.decode_kernel = True
     logits = gate.logits(one)  # [1, E]
     assert kernels == [8] and logits.dtype == torch.float32
     assert torch.allclose(logits, F.linear(one.float(), gate.weight), rtol=1e-5, atol=1e-5)

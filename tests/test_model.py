@@ -13,6 +13,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNo
 from tiny_config import tiny_config
 from triton_mtp.export.config import ModelConfig
 from triton_mtp.export.errors import CheckpointError
+from triton_mtp.export.mla import fuse_input_projections
 from triton_mtp.export.model import DeepseekV3MTP, DeepseekV3Target
 
 MAX_SLOTS, MAX_SEQ_LEN = 3, 24
@@ -215,6 +216,37 @@ def test_target_incremental_decoding_equals_full_forward(target: DeepseekV3Targe
         full = target(tokens[slot][None], torch.arange(n)[None], torch.tensor([1]))[0][0]  # [n, V]
         incremental = torch.stack([seen[(slot, p)] for p in range(n)])  # [n, V]
         assert rel_err(incremental, full) <= 1e-4
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("q_lora_rank", [48, None])
+def test_fused_input_projections_keep_the_outputs(q_lora_rank: int | None) -> None:
+    """q_proj (q_a_proj) and kv_a_proj_with_mqa as one linear (the GPU build's load): the target's and the MTP's
+    logits stay within float32 rounding, the two names are gone, and fusing again does nothing."""
+    config = ModelConfig.from_dict(tiny_config() | {"q_lora_rank": q_lora_rank})
+    target = DeepseekV3Target(config, MAX_SLOTS, MAX_SEQ_LEN).eval()
+    mtp = DeepseekV3MTP(config, target, MAX_SLOTS, MAX_SEQ_LEN).eval()
+    randomize(target, seed=3)
+    randomize(mtp.model, seed=4)
+    tokens, positions, slots = torch.randint(0, 128, (2, 5)), torch.arange(5).expand(2, 5), torch.tensor([0, 2])
+
+    def outputs() -> tuple[torch.Tensor, torch.Tensor]:
+        target.reset_cache()
+        mtp.reset_cache()
+        logits, hidden = target(tokens, positions, slots)  # [B, T, V], [B, T, H]
+        return logits, mtp(tokens, hidden, positions, slots, 1)[0]
+
+    before = outputs()
+    fuse_input_projections(target, mtp)
+    attention = target.model.layers[0].self_attn
+    for model in (target, mtp):
+        names = {name.rsplit(".", 2)[-2] for name, _ in model.named_parameters()}
+        assert "fused_qkv_a_proj" in names and not names & {"q_proj", "q_a_proj", "kv_a_proj_with_mqa"}
+    fused = attention.fused_qkv_a_proj.weight
+    fuse_input_projections(target)
+    assert attention.fused_qkv_a_proj.weight is fused
+    for got, expected in zip(outputs(), before):
+        assert rel_err(got, expected) <= 1e-6
 
 
 @torch.no_grad()
