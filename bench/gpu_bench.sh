@@ -77,6 +77,7 @@
 # BENCH_ONLY="STAGE ...": run only those. BENCH_RESPONSE_THREADS=N exports with --response-threads N,
 # BENCH_STREAM_INTERVAL=N with --stream-interval N, BENCH_SPEC_DISABLE_ROWS=N with --spec-disable-rows N,
 # BENCH_NO_OVERLAP=1 with --no-overlap, BENCH_DECODE_STEPS=N the local-hops export with --decode-steps N.
+# BENCH_KERNELS=NAMES exports with --decode-kernels NAMES (export/kernel_choice.py: linear, attention, router).
 # BENCH_MOE=grouped|dense picks the routed experts' kind (export/moe.py) of the export, standalone and engine
 # stages (default: the export's default).
 # BENCH_SMOKE=1: tiny sizes on CPU (fp32, eager, 2 prompts of 16 tokens, k=1,2, streams 1,2; a synthetic
@@ -188,6 +189,7 @@ format_args=()
 moe_args=()
 [ -n "${BENCH_MOE:-}" ] && moe_args=(--moe "$BENCH_MOE")
 format_args+=("${moe_args[@]}")
+[ -n "${BENCH_KERNELS:-}" ] && format_args+=(--decode-kernels "$BENCH_KERNELS")
 max_draft=${drafts##*,}
 max_seq_len=$(python -c "from bench.common import bench_max_seq_len as m; print(m($prompt_tokens, $max_tokens, $max_draft))")
 common=(--checkpoint "$checkpoint" --prompts "$prompts" --prompt-tokens "$prompt_tokens" --max-tokens "$max_tokens")

@@ -37,10 +37,10 @@ import torch
 from .common import environment, step_time, synchronize, write_result
 from .graphs import place_rope, wrap_step
 from triton_mtp.export.config import ModelConfig
-from triton_mtp.export.linear import Linear
-from triton_mtp.export.mla import MLAttention, fuse_input_projections
+from triton_mtp.export.kernel_choice import DECODE_KERNELS, choose_decode_kernels
+from triton_mtp.export.mla import fuse_input_projections
 from triton_mtp.export.model import DeepseekV3Target
-from triton_mtp.export.moe import Gate, MoE, group_experts, grouped_mm_works
+from triton_mtp.export.moe import MoE, group_experts, grouped_mm_works
 from triton_mtp.export.rope import RotaryEmbedding
 
 
@@ -151,10 +151,7 @@ def run(args: argparse.Namespace) -> dict:
                         module.unfold_shared_experts()
                     else:
                         module.fold_shared_experts()
-                elif isinstance(module, (Linear, Gate)):
-                    module.decode_kernel = name != "fused-cublas"
-                elif isinstance(module, MLAttention):
-                    module.decode_kernel = name not in ("fused-cublas", "fused-eager-attention")
+            choose_decode_kernels(VARIANT_KERNELS.get(name, DECODE_KERNELS), target)
         with torch.no_grad():
             eager_s = step_time(target, inputs, device, max(2, args.repeats // 10))
         step = wrap_step(target, args.graphs, inputs)
@@ -190,8 +187,10 @@ def profile_step(step: Callable[..., object], inputs: tuple[torch.Tensor, ...], 
     return ops
 
 
-# The grouped MoE's variants; any order, after dense.
+# The grouped MoE's variants; any order, after dense. Each takes every decode kernel (export/kernel_choice.py) but
+# those it names here.
 GROUPED = ("selected", "fused-apart", "fused", "fused-eager-attention", "fused-cublas")
+VARIANT_KERNELS = {"fused-eager-attention": ("linear", "router"), "fused-cublas": ()}
 
 
 def parse_variants(text: str) -> list[str]:

@@ -7,6 +7,7 @@ import sys
 
 from triton_mtp.export.formats import HOPS
 from triton_mtp.export.graphs import DTYPES, FORMATS
+from triton_mtp.export.kernel_choice import DECODE_KERNELS, DEFAULT_DECODE_KERNELS, parse_decode_kernels
 from triton_mtp.export.moe import MOE_KINDS
 from triton_mtp.export.repository import DEVICES, SWITCH_INTERVAL_US, write_repository
 
@@ -89,6 +90,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--moe", choices=MOE_KINDS, default=None,
                         help="routed experts: grouped (grouped_mm over the picked experts; eager format) or dense (every "
                         "expert on every token); default grouped on CUDA where grouped_mm runs (bf16, sm90+), else dense")
+    parser.add_argument("--decode-kernels", type=kernel_names, default=DEFAULT_DECODE_KERNELS, metavar="NAMES",
+                        help="eager format on CUDA: the decode paths that run Triton kernels, comma-separated from "
+                        f"{', '.join(DECODE_KERNELS)}, or none (default: {','.join(DEFAULT_DECODE_KERNELS)}; the "
+                        "others are off until measured on a GPU, docs/benchmarks.md)")
     parser.set_defaults(func=run)
 
 
@@ -113,12 +118,21 @@ def run(args: argparse.Namespace) -> int:
             tensor_parallel=args.tensor_parallel,
             hops=args.hops,
             moe=args.moe,
+            decode_kernels=args.decode_kernels,
         )
     except (ValueError, OSError) as exc:
         print(f"triton-mtp export: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     print(f"wrote {args.repository} ({manifest['format']}, {len(manifest['artifacts'])} graphs)")
     return 0
+
+
+def kernel_names(text: str) -> tuple[str, ...]:
+    """An argparse `type`: `parse_decode_kernels`, its error as argparse's."""
+    try:
+        return parse_decode_kernels(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def at_least(low: int):

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from triton_mtp.export.formats import DTYPES, FORMATS, format_module, kv_cache_of
+from triton_mtp.export.kernel_choice import DEFAULT_DECODE_KERNELS
 from triton_mtp.export.model import DeepseekV3MTP, DeepseekV3Target, MTPLayerStep
 
 __all__ = ["DTYPES", "FORMATS", "ParityError", "check_parity", "export_graphs", "load_step"]
@@ -41,13 +42,15 @@ def export_graphs(
     dtype: str | None = None,
     eager_compile: bool = True,
     moe: str = "dense",
+    decode_kernels: tuple[str, ...] = DEFAULT_DECODE_KERNELS,
     on_saved: Callable[[str], None] | None = None,
 ) -> dict[str, Path]:
     """Write `target.<ext>` into out_dir and `mtp_<i>.<ext>` into mtp_dir (default out_dir).
 
     Graphs take any batch up to the pool's slot count and any number of tokens up to its
     `max_seq_len`. The eager format needs `checkpoint_dir` and `dtype` (a key of DTYPES);
-    `eager_compile` records whether its load applies `torch.compile`, `moe` its MoE kind (export/moe.py).
+    `eager_compile` records whether its load applies `torch.compile`, `moe` its MoE kind (export/moe.py),
+    `decode_kernels` the decode paths its load sends through Triton kernels (export/kernel_choice.py).
     Returns {"target": path, "mtp_0": path, ...}; `on_saved(name)` is called after each file.
     """
     module = format_module(fmt)
@@ -55,7 +58,8 @@ def export_graphs(
     if fmt == "eager":
         if checkpoint_dir is None or dtype not in DTYPES:
             raise ValueError("format eager: checkpoint_dir and dtype (fp32, bf16 or fp16) are required")
-        options = {"checkpoint_dir": Path(checkpoint_dir), "dtype": dtype, "compile": eager_compile, "moe": moe}
+        options = {"checkpoint_dir": Path(checkpoint_dir), "dtype": dtype, "compile": eager_compile, "moe": moe,
+                   "decode_kernels": decode_kernels}
     out_dir = Path(out_dir)
     mtp_dir = Path(mtp_dir) if mtp_dir is not None else out_dir
     steps: dict[str, tuple[nn.Module, Path]] = {"target": (target, out_dir)}

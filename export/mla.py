@@ -34,8 +34,9 @@ class RMSNorm(nn.Module):
 class MLAttention(nn.Module):
     """DeepSeek-V3 attention; parameter names follow the checkpoint (`self_attn.*`). With `decode_kernel` True,
     calls of few tokens attend through export/latent_attention.py's kernels where they run. False by default until
-    they are measured on a GPU: bench/realistic.py's grouped variants other than fused-eager-attention and
-    fused-cublas turn them on (bench/decode_kernels.py calls the op itself)."""
+    they are measured on a GPU: `export --decode-kernels` names them (export/kernel_choice.py), and
+    bench/realistic.py's grouped variants other than fused-eager-attention and fused-cublas turn them on
+    (bench/decode_kernels.py calls the op itself)."""
 
     decode_kernel = False
 

@@ -54,8 +54,8 @@ class MLP(nn.Module):
 class Gate(nn.Module):
     """Router: sigmoid scores; `e_score_correction_bias` steers the selection only, not the weights.
     With `decode_kernel` True a decode call's logits take export/linear.py's kernel where it runs. False by default
-    until measured on a GPU (bench/decode_kernels.py's router shapes; bench/realistic.py's grouped variants other
-    than fused-cublas turn it on)."""
+    until measured on a GPU (bench/decode_kernels.py's router shapes): `export --decode-kernels` names it
+    (export/kernel_choice.py), and bench/realistic.py's grouped variants other than fused-cublas turn it on."""
 
     decode_kernel = False
 

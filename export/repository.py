@@ -33,6 +33,7 @@ from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.export.config import ModelConfig
 from triton_mtp.export.formats import HOPS
 from triton_mtp.export.graphs import DTYPES, FORMATS, check_parity, export_graphs
+from triton_mtp.export.kernel_choice import DEFAULT_DECODE_KERNELS, check_decode_kernels, choose_decode_kernels
 from triton_mtp.export.moe import MOE_KINDS, default_moe_kind, grouped_mm_works
 from triton_mtp.export.parallel import check_tensor_parallel
 from triton_mtp.serving.graphs import compile_at_load
@@ -77,6 +78,7 @@ def write_repository(
     tensor_parallel: int = 1,
     hops: str = "bls",
     moe: str | None = None,
+    decode_kernels: tuple[str, ...] = DEFAULT_DECODE_KERNELS,
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
@@ -100,7 +102,8 @@ def write_repository(
     target and MTP workers in its own process instead of calling the `target` and `mtp` models (no BLS
     hop per call; one rank only), and writes `spec_decode` alone. `moe` is how the routed experts run
     (export/moe.py): the eager format defaults to "grouped" on CUDA where grouped_mm runs for the
-    dtype, else "dense"; the graph formats are "dense".
+    dtype, else "dense"; the graph formats are "dense". `decode_kernels` names the decode paths the eager
+    format's models send through Triton kernels where those run (export/kernel_choice.py).
     """
     fmt = DEFAULT_FORMATS.get(device) if fmt is None else fmt  # an unknown device is reported first
     _check_settings(fmt, device, dtype, max_slots, max_seq_len, max_draft_tokens, max_queue_size)
@@ -125,8 +128,10 @@ def write_repository(
     check_tensor_parallel(ModelConfig.from_checkpoint(checkpoint_dir), tensor_parallel)
     compiles = _compiles_at_load(fmt, device, cuda_graphs, compile_graphs, eager_compile, tensor_parallel)
     moe = _moe_kind(fmt, device, dtype, moe, compiles)
+    decode_kernels = check_decode_kernels(decode_kernels)
     config, target, mtp = load_checkpoint(checkpoint_dir, dtype, device, max_slots, max_seq_len, progress=progress,
                                           moe=moe)
+    choose_decode_kernels(decode_kernels, target, mtp)  # the parity check and the compile cache run them as served
     max_seq_len = target.max_seq_len
     if max_draft_tokens + 3 > max_seq_len:
         raise ValueError(f"max_seq_len: {max_seq_len} leaves no room for a verify window of {max_draft_tokens + 1} tokens")
@@ -148,7 +153,7 @@ def write_repository(
             artifacts = export_graphs(
                 target, mtp, artifact_dirs[0], fmt, mtp_dir=artifact_dirs[1],
                 checkpoint_dir=checkpoint_dir, dtype=dtype, eager_compile=eager_compile, moe=moe,
-                on_saved=lambda name: bar.update(1),
+                decode_kernels=decode_kernels, on_saved=lambda name: bar.update(1),
             )
         with compile_cache.filling(list(artifact_dirs)) if compiles else contextlib.nullcontext():
             parity = check_parity(target, mtp, artifacts, fmt, verify_tokens=max_draft_tokens + 1, log=log,
@@ -205,6 +210,7 @@ def write_repository(
         "hops": hops,
         "compile_graphs": compile_graphs,
         "moe": moe,
+        "decode_kernels": list(decode_kernels),
         "checkpoint": str(checkpoint_dir.resolve()),
         "torch_version": torch.__version__,
         "sizes": {k: values[k] for k in ("max_slots", "max_seq_len", "max_draft_tokens", "default_num_draft_tokens",

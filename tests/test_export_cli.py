@@ -15,6 +15,11 @@ from tiny_config import tiny_config
 from triton_mtp.cli import main
 from triton_mtp.client import Client
 from triton_mtp.export.checkpoint import load_checkpoint
+from triton_mtp.export.formats import eager
+from triton_mtp.export.kernel_choice import DECODE_KERNELS, DEFAULT_DECODE_KERNELS
+from triton_mtp.export.linear import Linear
+from triton_mtp.export.mla import MLAttention
+from triton_mtp.export.moe import Gate
 from triton_mtp.export.graphs import load_step
 from triton_mtp.export.synthetic import write_checkpoint
 
@@ -121,6 +126,30 @@ def test_eager_format_writes_a_checkpoint_reference(checkpoint, tmp_path):
         assert 'key: "compile_graphs", value: { string_value: "true" }' in config, model
 
 
+def test_the_eager_reference_records_the_decode_kernels_and_its_load_applies_them(checkpoint, tmp_path):
+    """`--decode-kernels` in the artifacts and the manifest; a load turns those paths on and the others off
+    (they run where the kernels do: CUDA with the grouped MoE). A reference written before the choice was recorded
+    loads with the default, the linear kernel alone."""
+    assert export(checkpoint, tmp_path, "--format", "eager", "--no-compile", "--decode-kernels", "attention,router") == 0
+    for artifact in ("target/1/target.json", "mtp/1/mtp_0.json"):
+        assert json.loads((tmp_path / artifact).read_text())["decode_kernels"] == ["attention", "router"]
+    assert json.loads((tmp_path / "export.json").read_text())["decode_kernels"] == ["attention", "router"]
+    path = tmp_path / "target" / "1" / "target.json"
+
+    def chosen() -> dict[type, set[bool]]:
+        target = eager.load([path], torch.device("cpu"))[0].module
+        return {kind: {m.decode_kernel for m in target.modules() if isinstance(m, kind)}
+                for kind in (Linear, MLAttention, Gate)}
+
+    assert chosen() == {Linear: {False}, MLAttention: {True}, Gate: {True}}
+    reference = json.loads(path.read_text())
+    del reference["decode_kernels"]
+    path.write_text(json.dumps(reference))
+    assert chosen() == {Linear: {True}, MLAttention: {False}, Gate: {False}}
+    # a model loaded without a choice (the benches' load_checkpoint) has the same default
+    assert {name for name, kind in DECODE_KERNELS.items() if kind.decode_kernel} == set(DEFAULT_DECODE_KERNELS)
+
+
 def test_reexport_replaces_the_previous_models(checkpoint, tmp_path):
     assert export(checkpoint, tmp_path) == 0
     (tmp_path / "target" / "1" / "stale.pt").write_bytes(b"")
@@ -131,7 +160,8 @@ def test_reexport_replaces_the_previous_models(checkpoint, tmp_path):
     assert 'string_value: "16"' in (tmp_path / "target" / "config.pbtxt").read_text()
 
 
-@pytest.mark.parametrize("flags", [["--format", "tensorrt"], ["--max-slots", "0"], ["--dtype", "int8"]])
+@pytest.mark.parametrize("flags", [["--format", "tensorrt"], ["--max-slots", "0"], ["--dtype", "int8"],
+                                   ["--decode-kernels", "linear,flash"]])
 def test_usage_errors_exit_2(checkpoint, tmp_path, flags, capsys):
     with pytest.raises(SystemExit) as exc:
         export(checkpoint, tmp_path, *flags)

@@ -6,6 +6,8 @@ minute on a small CPU, so its case runs a smaller model and carries the `aoti` m
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 from pathlib import Path
 
@@ -177,6 +179,16 @@ def test_onnx_rejects_bf16_by_name(tmp_path):
     with pytest.raises(ValueError, match="format onnx: dtype bfloat16 is not supported"):
         export_graphs(target.to(torch.bfloat16), None, tmp_path, "onnx")
 
+
+
+@pytest.mark.parametrize("value, message", [('["linear", "flash"]', "decode_kernels: unknown flash"),
+                                            ('"linear"', "'decode_kernels' must be a list of names")])
+def test_eager_reference_with_bad_decode_kernels_is_named(tmp_path, value, message):
+    reference = {"checkpoint": str(tmp_path), "dtype": "fp32", "max_slots": 1, "max_seq_len": 8, "step": "target",
+                 "layer": None, "compile": False}
+    (tmp_path / "target.json").write_text(json.dumps(reference)[:-1] + f', "decode_kernels": {value}}}')
+    with pytest.raises(ValueError, match=re.escape(f"target.json: key {message}")):
+        load_step(tmp_path, "eager", "cpu")
 
 
 def test_eager_reference_without_checkpoint_key_is_named(tmp_path):

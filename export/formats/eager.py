@@ -1,8 +1,8 @@
 """Eager: no graph, a reference to the checkpoint; load rebuilds the model and applies `torch.compile`.
 
-The artifact is a small JSON file naming the checkpoint directory, dtype, pool sizes and MoE kind
-(export/moe.py), plus which step it is (`target`, or `mtp` with its layer). Loading builds the model
-once for all files given.
+The artifact is a small JSON file naming the checkpoint directory, dtype, pool sizes, MoE kind
+(export/moe.py) and the decode paths that take Triton kernels (export/kernel_choice.py), plus which step it is
+(`target`, or `mtp` with its layer). Loading builds the model once for all files given.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from triton_mtp.export.formats import DTYPES, kv_cache_of, set_buffer
+from triton_mtp.export.kernel_choice import DEFAULT_DECODE_KERNELS, check_decode_kernels, choose_decode_kernels
 from triton_mtp.export.model import DeepseekV3MTP, MTPLayerStep
 from triton_mtp.export.moe import MOE_KINDS
 from triton_mtp.export.parallel import load_sharded
@@ -31,11 +32,13 @@ def save(
     dtype: str,
     compile: bool = True,
     moe: str = "dense",
+    decode_kernels: tuple[str, ...] = DEFAULT_DECODE_KERNELS,
 ) -> None:
     """Write the reference; `step` is the target or an `MTPLayerStep` (its `layer` is recorded).
 
     `compile` is the default of `load`: whether the rebuilt steps go through `torch.compile`.
-    `moe` is how the rebuilt model runs its routed experts (a kind of export/moe.py).
+    `moe` is how the rebuilt model runs its routed experts (a kind of export/moe.py), `decode_kernels` which
+    decode paths it sends through Triton kernels where they run (export/kernel_choice.py).
     """
     _, pool = kv_cache_of(step)
     _, max_slots, seq_plus_one, _ = pool.shape
@@ -48,6 +51,7 @@ def save(
         "layer": step.layer if isinstance(step, MTPLayerStep) else None,
         "compile": compile,
         "moe": moe,
+        "decode_kernels": list(check_decode_kernels(decode_kernels)),
     }
     path.write_text(json.dumps(reference, indent=2) + "\n")
 
@@ -142,7 +146,7 @@ def load(
     `rank`'s tensor-parallel shard (export/parallel.py; the default process group must be up).
     """
     references = [_read_reference(p) for p in paths]
-    keys = ("checkpoint", "dtype", "max_slots", "max_seq_len", "compile", "moe")
+    keys = ("checkpoint", "dtype", "max_slots", "max_seq_len", "compile", "moe", "decode_kernels")
     first = {k: references[0][k] for k in keys}
     for path, ref in zip(paths, references):
         differing = [k for k in keys if ref[k] != first[k]]
@@ -152,6 +156,7 @@ def load(
         first["checkpoint"], rank, world_size, DTYPES[first["dtype"]], device, first["max_slots"], first["max_seq_len"],
         moe=first["moe"],
     )
+    choose_decode_kernels(first["decode_kernels"], target, mtp)
     compile = first["compile"] if compile is None else compile
     graphs = []
     for path, ref in zip(paths, references):
@@ -177,4 +182,11 @@ def _read_reference(path: Path) -> dict:
     reference.setdefault("moe", "dense")  # written before the MoE kind was recorded
     if reference["moe"] not in MOE_KINDS:
         raise ValueError(f"{path}: key 'moe' must be one of {', '.join(MOE_KINDS)}, got {reference['moe']!r}")
+    reference.setdefault("decode_kernels", list(DEFAULT_DECODE_KERNELS))  # written before the choice was recorded
+    if not isinstance(reference["decode_kernels"], list):
+        raise ValueError(f"{path}: key 'decode_kernels' must be a list of names, got {reference['decode_kernels']!r}")
+    try:
+        check_decode_kernels(reference["decode_kernels"])
+    except ValueError as exc:
+        raise ValueError(f"{path}: key {exc}") from None
     return reference
