@@ -44,6 +44,24 @@ def decode_kernels(monkeypatch: pytest.MonkeyPatch):
     return fused_moe_kernels
 
 
+@pytest.fixture
+def record_launches(decode_kernels, monkeypatch: pytest.MonkeyPatch) -> Callable[..., list]:
+    """With the decode kernels taken on the CPU: record_launches(name, pick) -> a list to which each launch of the
+    kernel `name` appends pick(its arguments), and goes on as before."""
+    def record(name: str, pick: Callable[[tuple], object]) -> list:
+        calls = []
+        launch = getattr(decode_kernels, name)
+
+        class Recorded:
+            def __getitem__(self, grid):
+                return lambda *args, **kwargs: calls.append(pick(args)) or launch[grid](*args, **kwargs)
+
+        monkeypatch.setattr(decode_kernels, name, Recorded())
+        return calls
+
+    return record
+
+
 @pytest.fixture(scope="session")
 def triton_server_for(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., TritonServer]]:
     servers: dict[Path, TritonServer] = {}

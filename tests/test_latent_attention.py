@@ -22,17 +22,9 @@ BUNDLED = Path(__file__).resolve().parents[1] / "models" / "tiny-dsv3-mtp"
 
 
 @pytest.fixture
-def kernels(decode_kernels, monkeypatch):
+def kernels(record_launches):
     """The kernels taken on the CPU; records the tokens of each call that takes them."""
-    calls = []
-    launch = decode_kernels.absorb_query
-
-    class Recorded:
-        def __getitem__(self, grid):
-            return lambda q, *args, **kwargs: calls.append(args[2]) or launch[grid](q, *args, **kwargs)
-
-    monkeypatch.setattr(decode_kernels, "absorb_query", Recorded())
-    return calls
+    return record_launches("absorb_query", lambda args: args[3])
 
 
 def inputs(B, T, heads, dn, dv, r, dr, seq, dtype=torch.float16, seed=0):

@@ -18,17 +18,9 @@ pytest.importorskip("triton")
 
 
 @pytest.fixture
-def kernels(decode_kernels, monkeypatch):
+def kernels(record_launches):
     """The kernel taken on the CPU; records the weight rows of each call that takes it."""
-    calls = []
-    launch = decode_kernels.linear
-
-    class Recorded:
-        def __getitem__(self, grid):
-            return lambda x, w, *args, **kwargs: calls.append(w.shape[0]) or launch[grid](x, w, *args, **kwargs)
-
-    monkeypatch.setattr(decode_kernels, "linear", Recorded())
-    return calls
+    return record_launches("linear", lambda args: args[1].shape[0])
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
