@@ -72,7 +72,7 @@ def bench_attention(device: torch.device, context: int) -> list[dict]:
     w_kv = torch.randn(heads, dn + dv, r, dtype=torch.bfloat16, device=device) * 0.05  # [h, dn + dv, r]
     rows = torch.zeros(1, dtype=torch.long, device=device)  # [B]
     compiled = torch.compile(lambda q, qp, pos: latent_attention.attend(
-        q, qp, w_kv, cache.flatten(0, 1).index_select(0, rows), pos, 0.1), dynamic=True, options=COMPILE_OPTIONS)
+        q, qp, w_kv, cache.flatten(0, 1).index_select(0, rows), pos, 0.1), options=COMPILE_OPTIONS)
     results = []
     for T in (1, 4):
         q = torch.randn(1, T, heads, dn + dr, dtype=torch.bfloat16, device=device)  # [B, T, h, dn + dr]
