@@ -38,9 +38,8 @@ from .common import environment, step_time, synchronize, write_result
 from .graphs import place_rope, wrap_step
 from triton_mtp.export.config import ModelConfig
 from triton_mtp.export.kernel_choice import DECODE_KERNELS, choose_decode_kernels
-from triton_mtp.export.mla import fuse_input_projections
-from triton_mtp.export.model import DeepseekV3Target
-from triton_mtp.export.moe import MoE, group_experts, grouped_mm_works
+from triton_mtp.export.model import DeepseekV3Target, group_weights
+from triton_mtp.export.moe import MoE, grouped_mm_works
 from triton_mtp.export.rope import RotaryEmbedding
 
 
@@ -142,8 +141,7 @@ def run(args: argparse.Namespace) -> dict:
         variants = {name: touched for name, touched in variants.items() if name == "dense"}
     for name, touched in variants.items():
         if name != "dense":
-            group_experts(target)
-            fuse_input_projections(target)
+            group_weights(target)
             for module in target.modules():
                 if isinstance(module, MoE):
                     module.fused_decode = name != "selected"

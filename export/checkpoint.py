@@ -24,9 +24,8 @@ from transformers.initialization import TORCH_INIT_FUNCTIONS
 
 from triton_mtp.export.config import ModelConfig
 from triton_mtp.export.errors import CheckpointError
-from triton_mtp.export.mla import fuse_input_projections
-from triton_mtp.export.model import DeepseekV3MTP, DeepseekV3Target
-from triton_mtp.export.moe import MOE_KINDS, group_experts
+from triton_mtp.export.model import DeepseekV3MTP, DeepseekV3Target, group_weights
+from triton_mtp.export.moe import MOE_KINDS
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +106,7 @@ def load_checkpoint(
         if module is not None:
             module.eval().requires_grad_(False)
     if moe == "grouped":
-        group_experts(target, mtp)
-        fuse_input_projections(target, mtp)
+        group_weights(target, mtp)
     return config, target, mtp
 
 

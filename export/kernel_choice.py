@@ -6,8 +6,8 @@ loaded them: the eager format on GPUs). The MoE's own kernels (export/fused_moe.
 - `attention`: the absorbed attention of calls of few tokens (export/latent_attention.py); off until measured.
 - `router`: the gate's float32 logits of one token through the linear kernel (export/moe.py); off until measured.
 
-`triton-mtp export --decode-kernels` records the choice in the eager artifacts, and their load applies it. A model
-built without a choice (`load_checkpoint`) has the modules' class defaults, which are DEFAULT_DECODE_KERNELS.
+`triton-mtp export --decode-kernels` records the choice in the eager artifacts, and their load applies it. The
+default is what a model built without a choice (`load_checkpoint`) takes: the modules' class flags.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from triton_mtp.export.mla import MLAttention
 from triton_mtp.export.moe import Gate
 
 DECODE_KERNELS = {"linear": Linear, "attention": MLAttention, "router": Gate}
-DEFAULT_DECODE_KERNELS = ("linear",)
+DEFAULT_DECODE_KERNELS = tuple(name for name, kind in DECODE_KERNELS.items() if kind.decode_kernel)  # ("linear",)
 
 
 def parse_decode_kernels(text: str) -> tuple[str, ...]:

@@ -27,8 +27,7 @@ from __future__ import annotations
 import torch
 
 from triton_mtp.export import fused_moe
-
-KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+from triton_mtp.export.linear import KERNEL_DTYPES
 # Tokens of one call through the kernels, and the bound on their partial results (tokens × heads × chunks × r
 # floats); positions a program reads, and at a time; heads a program scores (tensor-core dots take 16 rows or
 # more); chunks the output program weights at a time; its values; the attention program's warps.

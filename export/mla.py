@@ -127,12 +127,3 @@ class MLAttention(nn.Module):
         write_pos = torch.where(positions >= 0, positions, torch.full_like(positions, seq_plus_one - 1))  # [B, T]
         flat = (layer * num_slots + slot_ids[:, None]) * seq_plus_one + write_pos  # [B, T]
         cache.view(-1, dim).index_copy_(0, flat.reshape(-1), latent.reshape(-1, dim).to(cache.dtype))
-
-
-def fuse_input_projections(*models: nn.Module | None) -> None:
-    """`MLAttention.fuse_input_projections` on every attention layer of the given models (None skipped)."""
-    for model in models:
-        if model is not None:
-            for module in list(model.modules()):
-                if isinstance(module, MLAttention):
-                    module.fuse_input_projections()

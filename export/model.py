@@ -208,6 +208,19 @@ class MTPLayerStep(nn.Module):
         return self.mtp.run_layer(self.block, self.cache_layer, token_ids, hidden, positions, slot_ids)
 
 
+def group_weights(*models: nn.Module | None) -> None:
+    """The grouped (GPU) build's weights, rewritten once loaded: each MoE's experts stacked (`MoE.group_experts`)
+    and each attention's input projections fused (`MLAttention.fuse_input_projections`), in the given models (None
+    skipped). Both are no-ops a second time."""
+    for model in models:
+        if model is not None:
+            for module in list(model.modules()):
+                if isinstance(module, MoE):
+                    module.group_experts()
+                elif isinstance(module, MLAttention):
+                    module.fuse_input_projections()
+
+
 def _drop_shared_keys(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
     for name in _SHARED:
         state_dict.pop(prefix + name, None)

@@ -291,11 +291,3 @@ def default_moe_kind(device: torch.device, dtype: torch.dtype) -> str:
     """grouped on CUDA where grouped_mm runs natively, else dense."""
     return "grouped" if device.type == "cuda" and grouped_mm_works(device, dtype) else "dense"
 
-
-def group_experts(*models: nn.Module | None) -> None:
-    """`MoE.group_experts` on every MoE of the given models (None skipped)."""
-    for model in models:
-        if model is not None:
-            for module in list(model.modules()):
-                if isinstance(module, MoE):
-                    module.group_experts()

@@ -33,9 +33,9 @@ from torch import nn
 
 from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.export.config import ModelConfig
-from triton_mtp.export.mla import MLAttention, fuse_input_projections
-from triton_mtp.export.model import DecoderLayer, DeepseekV3MTP, DeepseekV3Target
-from triton_mtp.export.moe import MLP, MoE, group_experts
+from triton_mtp.export.mla import MLAttention
+from triton_mtp.export.model import DecoderLayer, DeepseekV3MTP, DeepseekV3Target, group_weights
+from triton_mtp.export.moe import MLP, MoE
 
 
 def check_tensor_parallel(config: ModelConfig, world_size: int) -> None:
@@ -99,8 +99,7 @@ def load_sharded(
     config, target, mtp = load_checkpoint(checkpoint_dir, dtype, device, max_slots, max_seq_len, progress=False)
     shard_models(target, mtp, rank, world_size, group)
     if moe == "grouped":
-        group_experts(target, mtp)
-        fuse_input_projections(target, mtp)
+        group_weights(target, mtp)
     return config, target, mtp
 
 

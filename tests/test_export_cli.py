@@ -16,7 +16,6 @@ from triton_mtp.cli import main
 from triton_mtp.client import Client
 from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.export.formats import eager
-from triton_mtp.export.kernel_choice import DECODE_KERNELS, DEFAULT_DECODE_KERNELS
 from triton_mtp.export.linear import Linear
 from triton_mtp.export.mla import MLAttention
 from triton_mtp.export.moe import Gate
@@ -146,8 +145,6 @@ def test_the_eager_reference_records_the_decode_kernels_and_its_load_applies_the
     del reference["decode_kernels"]
     path.write_text(json.dumps(reference))
     assert chosen() == {Linear: {True}, MLAttention: {False}, Gate: {False}}
-    # a model loaded without a choice (the benches' load_checkpoint) has the same default
-    assert {name for name, kind in DECODE_KERNELS.items() if kind.decode_kernel} == set(DEFAULT_DECODE_KERNELS)
 
 
 def test_reexport_replaces_the_previous_models(checkpoint, tmp_path):

@@ -13,8 +13,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNo
 from tiny_config import tiny_config
 from triton_mtp.export.config import ModelConfig
 from triton_mtp.export.errors import CheckpointError
-from triton_mtp.export.mla import fuse_input_projections
-from triton_mtp.export.model import DeepseekV3MTP, DeepseekV3Target
+from triton_mtp.export.model import DeepseekV3MTP, DeepseekV3Target, group_weights
 
 MAX_SLOTS, MAX_SEQ_LEN = 3, 24
 
@@ -237,13 +236,13 @@ def test_fused_input_projections_keep_the_outputs(q_lora_rank: int | None) -> No
         return logits, mtp(tokens, hidden, positions, slots, 1)[0]
 
     before = outputs()
-    fuse_input_projections(target, mtp)
+    group_weights(target, mtp)
     attention = target.model.layers[0].self_attn
     for model in (target, mtp):
         names = {name.rsplit(".", 2)[-2] for name, _ in model.named_parameters()}
         assert "fused_qkv_a_proj" in names and not names & {"q_proj", "q_a_proj", "kv_a_proj_with_mqa"}
     fused = attention.fused_qkv_a_proj.weight
-    fuse_input_projections(target)
+    group_weights(target)
     assert attention.fused_qkv_a_proj.weight is fused
     for got, expected in zip(outputs(), before):
         assert rel_err(got, expected) <= 1e-6

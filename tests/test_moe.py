@@ -15,7 +15,8 @@ from triton_mtp.client import Client
 from triton_mtp.export.checkpoint import load_checkpoint
 from triton_mtp.export.config import ModelConfig
 from triton_mtp.export.formats import eager
-from triton_mtp.export.moe import MoE, default_moe_kind, group_experts, grouped_mm_works
+from triton_mtp.export.model import group_weights
+from triton_mtp.export.moe import MoE, default_moe_kind, grouped_mm_works
 from triton_mtp.export.parallel import _shard_moe
 from triton_mtp.export.repository import write_repository
 
@@ -67,7 +68,7 @@ def test_grouping_stacks_the_experts_once():
     moe = random_moe(torch.float32)
     gate_0 = moe.experts[0].gate_proj.weight.clone()
     down_7 = moe.experts[7].down_proj.weight.clone()
-    group_experts(moe, None)
+    group_weights(moe, None)
     w13 = moe.w13
     moe.group_experts()  # a second call changes nothing
     assert moe.w13 is w13 and not hasattr(moe, "experts")
